@@ -1,0 +1,1 @@
+"""The tunegen command line (installed as tunegen.cli)."""

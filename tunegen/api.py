@@ -1,0 +1,143 @@
+"""The public attention functions: SDPA's layout, FlashAttention's varlen conventions."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tunegen import checks, dispatch
+from tunegen.gpu import gpu_of
+from tunegen.problem import DTYPE_NAMES, Problem, bucket
+from tunegen.reference import attention_reference, attention_varlen_reference
+
+
+class FallbackError(RuntimeError):
+    """Raised in strict mode when a call would not run a Triton kernel."""
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def backend_for(device: torch.device, strict: bool | None = None) -> str:
+    """Which path runs on `device`: "cuda" (compiled Triton), "interpreter" (Triton's interpreter
+    on CPU tensors, with TRITON_INTERPRET=1) or "torch" (the PyTorch reference, refused when strict)."""
+    if device.type == "cuda":
+        return "cuda"
+    if device.type == "cpu" and _interpreting():
+        return "interpreter"
+    if strict is None:
+        strict = os.environ.get("TUNEGEN_STRICT", "0").lower() in ("1", "true", "on", "yes")
+    if strict:
+        raise FallbackError(
+            f"strict mode: no Triton kernel runs on {device.type} tensors "
+            "(use CUDA tensors, or CPU tensors with TRITON_INTERPRET=1)"
+        )
+    return "torch"
+
+
+def _fallback_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype != torch.float64 else torch.float64
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    return_lse: bool = False,
+    strict: bool | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Scaled dot-product attention over (batch, heads, seqlen, head_dim) tensors.
+
+    The layout and meaning of `torch.nn.functional.scaled_dot_product_attention`; k and v may
+    have fewer heads than q (GQA/MQA, the query head count a multiple of theirs). `causal`
+    aligns the mask bottom-right when the lengths differ, as FlashAttention does. `scale`
+    defaults to 1/sqrt(head_dim). With `return_lse`, also returns the natural-log
+    log-sum-exp (batch, heads, seqlen_q) in float32. `strict` (default: TUNEGEN_STRICT)
+    makes any path other than a Triton kernel an error.
+    """
+    checks.check_attention(q, k, v)
+    scale = checks.check_scale(scale, q.shape[-1])
+    backend = backend_for(q.device, strict)
+    batch, heads, seqlen_q, head_dim = q.shape
+    if backend == "torch":
+        out, lse = attention_reference(q, k, v, causal=causal, scale=scale, compute_dtype=_fallback_dtype(q.dtype))
+        out = out.to(q.dtype)
+        return (out, lse.float()) if return_lse else out
+    out = torch.empty_like(q)
+    lse = torch.empty((batch, heads, seqlen_q), device=q.device, dtype=torch.float32) if return_lse else None
+    problem = Problem(
+        family="prefill",
+        dtype=DTYPE_NAMES[q.dtype],
+        head_dim=head_dim,
+        causal=bool(causal),
+        num_heads_q=heads,
+        num_heads_kv=k.shape[1],
+        batch=bucket(batch),
+        seqlen_q=bucket(seqlen_q),
+        seqlen_k=bucket(k.shape[2]),
+        return_lse=bool(return_lse),
+        aligned=checks.is_aligned16(q, k, v, out),
+    )
+    dispatch.kernel_for(problem, gpu_of(q.device)).launch(q, k, v, out, lse, scale)
+    return (out, lse) if return_lse else out
+
+
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    return_lse: bool = False,
+    strict: bool | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention over packed (total_tokens, heads, head_dim) sequences, as `flash_attn_varlen_func`.
+
+    `cu_seqlens_q`/`cu_seqlens_k` are int32 offsets (batch + 1) of each sequence in the packed
+    tensors; `max_seqlen_q`/`max_seqlen_k` bound their lengths. The offsets are read once to be
+    checked (a device-to-host copy on GPU), except while a CUDA graph is being captured. With
+    `return_lse`, also returns the log-sum-exp (heads, total_q) in float32.
+    """
+    capturing = q.device.type == "cuda" and torch.cuda.is_current_stream_capturing() if isinstance(
+        q, torch.Tensor
+    ) else False
+    checks.check_attention_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, read_lengths=not capturing
+    )
+    scale = checks.check_scale(scale, q.shape[-1])
+    backend = backend_for(q.device, strict)
+    if backend == "torch":
+        out, lse = attention_varlen_reference(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, scale=scale, compute_dtype=_fallback_dtype(q.dtype)
+        )
+        out = out.to(q.dtype)
+        return (out, lse.float()) if return_lse else out
+    out = torch.empty_like(q)
+    lse = torch.empty((q.shape[1], q.shape[0]), device=q.device, dtype=torch.float32) if return_lse else None
+    problem = Problem(
+        family="prefill",
+        dtype=DTYPE_NAMES[q.dtype],
+        head_dim=q.shape[-1],
+        causal=bool(causal),
+        num_heads_q=q.shape[1],
+        num_heads_kv=k.shape[1],
+        batch=bucket(cu_seqlens_q.shape[0] - 1),
+        seqlen_q=bucket(max_seqlen_q),
+        seqlen_k=bucket(max_seqlen_k),
+        varlen=True,
+        return_lse=bool(return_lse),
+        aligned=checks.is_aligned16(q, k, v, out),
+    )
+    kernel = dispatch.kernel_for(problem, gpu_of(q.device))
+    kernel.launch(q, k, v, out, lse, scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,145 @@
+"""Input checks for the public entry points: each bad input gets a ValueError that names the
+argument and says what was expected, before any kernel runs."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tunegen.problem import DTYPE_NAMES
+
+MAX_HEAD_DIM = 256
+
+
+def _tensor(name: str, t: object, rank: int, layout: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor of shape {layout}, got {type(t).__name__}")
+    if t.dim() != rank:
+        raise ValueError(f"{name}: expected {rank} dimensions {layout}, got shape {tuple(t.shape)}")
+    if t.dtype not in DTYPE_NAMES:
+        raise ValueError(
+            f"{name}: expected dtype float16, bfloat16 or float32, got {t.dtype}"
+        )
+    if t.numel() == 0:
+        raise ValueError(f"{name}: every dimension must be non-zero, got shape {tuple(t.shape)}")
+    if t.stride(-1) != 1:
+        raise ValueError(
+            f"{name}: the last dimension (head_dim) must have stride 1, got strides {tuple(t.stride())}; "
+            "call .contiguous() on it"
+        )
+    return t
+
+
+def _same(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    for name, t in (("k", k), ("v", v)):
+        if t.device != q.device:
+            raise ValueError(f"{name}: expected device {q.device} like q, got {t.device}")
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name}: expected dtype {q.dtype} like q, got {t.dtype}")
+        if t.shape[-1] != q.shape[-1]:
+            raise ValueError(f"{name}: expected head_dim {q.shape[-1]} like q, got {t.shape[-1]}")
+    if q.shape[-1] > MAX_HEAD_DIM:
+        raise ValueError(f"q: head_dim must be at most {MAX_HEAD_DIM}, got {q.shape[-1]}")
+
+
+def _heads(hq: int, hk: int, hv: int) -> None:
+    if hv != hk:
+        raise ValueError(f"v: expected {hk} heads like k, got {hv}")
+    if hq % hk != 0:
+        raise ValueError(
+            f"k: the number of query heads ({hq}) must be a multiple of the number of key/value heads, got {hk}"
+        )
+
+
+def check_attention(q: object, k: object, v: object) -> None:
+    """Check (batch, heads, seqlen, head_dim) inputs in scaled_dot_product_attention's layout."""
+    layout = "(batch, heads, seqlen, head_dim)"
+    q, k, v = (_tensor(n, t, 4, layout) for n, t in (("q", q), ("k", k), ("v", v)))
+    _same(q, k, v)
+    for name, t in (("k", k), ("v", v)):
+        if t.shape[0] != q.shape[0]:
+            raise ValueError(f"{name}: expected batch {q.shape[0]} like q, got {t.shape[0]}")
+    if v.shape[2] != k.shape[2]:
+        raise ValueError(f"v: expected seqlen {k.shape[2]} like k, got {v.shape[2]}")
+    _heads(q.shape[1], k.shape[1], v.shape[1])
+
+
+def check_attention_varlen(
+    q: object,
+    k: object,
+    v: object,
+    cu_seqlens_q: object,
+    cu_seqlens_k: object,
+    max_seqlen_q: object,
+    max_seqlen_k: object,
+    *,
+    read_lengths: bool,
+) -> None:
+    """Check packed (total_tokens, heads, head_dim) inputs and their cumulative lengths.
+
+    With `read_lengths`, the lengths themselves are read to check they start at 0, never
+    decrease, end at the token count and fit the stated maxima (a device-to-host copy on GPU).
+    """
+    layout = "(total_tokens, heads, head_dim)"
+    q, k, v = (_tensor(n, t, 3, layout) for n, t in (("q", q), ("k", k), ("v", v)))
+    _same(q, k, v)
+    if v.shape[0] != k.shape[0]:
+        raise ValueError(f"v: expected {k.shape[0]} tokens like k, got {v.shape[0]}")
+    _heads(q.shape[1], k.shape[1], v.shape[1])
+    cus = []
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype != torch.int32:
+            what = f"{cu.dtype} tensor of shape {tuple(cu.shape)}" if isinstance(cu, torch.Tensor) else type(cu).__name__
+            raise ValueError(f"{name}: expected a 1-D int32 tensor of batch + 1 offsets, got {what}")
+        if cu.shape[0] < 2:
+            raise ValueError(f"{name}: expected at least 2 offsets (batch + 1), got {cu.shape[0]}")
+        if cu.device != q.device:
+            raise ValueError(f"{name}: expected device {q.device} like q, got {cu.device}")
+        if cu.stride(0) != 1:
+            raise ValueError(f"{name}: expected a contiguous tensor; call .contiguous() on it")
+        cus.append(cu)
+    if cus[0].shape[0] != cus[1].shape[0]:
+        raise ValueError(
+            f"cu_seqlens_k: expected {cus[0].shape[0]} offsets like cu_seqlens_q, got {cus[1].shape[0]}"
+        )
+    for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"{name}: expected a positive int, got {n!r}")
+    if not read_lengths:
+        return
+    for name, cu, total, maximum in (
+        ("cu_seqlens_q", cus[0], q.shape[0], max_seqlen_q),
+        ("cu_seqlens_k", cus[1], k.shape[0], max_seqlen_k),
+    ):
+        offsets = cu.tolist()
+        if offsets[0] != 0:
+            raise ValueError(f"{name}: expected the first offset to be 0, got {offsets[0]}")
+        lengths = [b - a for a, b in zip(offsets, offsets[1:])]
+        if min(lengths) < 0:
+            raise ValueError(f"{name}: offsets must not decrease, got {offsets}")
+        if offsets[-1] != total:
+            raise ValueError(f"{name}: expected the last offset to equal the token count {total}, got {offsets[-1]}")
+        max_name = "max_seqlen_q" if name == "cu_seqlens_q" else "max_seqlen_k"
+        if max(lengths) > maximum:
+            raise ValueError(f"{max_name}: a sequence has {max(lengths)} tokens, more than {maximum}")
+
+
+def check_scale(scale: object, head_dim: int) -> float:
+    """The softmax scale: None means 1/sqrt(head_dim); otherwise a positive finite number."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale: expected None or a positive finite float, got {scale!r}")
+    return float(scale)
+
+
+def is_aligned16(*tensors: torch.Tensor) -> bool:
+    """Whether every base address and every non-unit stride is a multiple of 16 bytes (TMA's rule)."""
+    for t in tensors:
+        size = t.element_size()
+        if t.data_ptr() % 16:
+            return False
+        if any((s * size) % 16 for s in t.stride()[:-1]):
+            return False
+    return True

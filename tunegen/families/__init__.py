@@ -1,0 +1,17 @@
+"""Kernel families: each has one template, one Variant space, one launcher and one reference."""
+
+from tunegen.families import prefill
+from tunegen.families.base import Family
+
+FAMILIES: dict[str, Family] = {prefill.FAMILY.name: prefill.FAMILY}
+
+
+def get(name: str) -> Family:
+    """The family called `name`."""
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise ValueError(f"family: expected one of {sorted(FAMILIES)}, got {name!r}") from None
+
+
+__all__ = ["FAMILIES", "Family", "get"]

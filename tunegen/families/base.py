@@ -1,0 +1,49 @@
+"""What every kernel family provides, and the compiled Kernel it hands to dispatch."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from tunegen.gpu import Gpu
+from tunegen.problem import Problem
+from tunegen.render import Rendered, load, render
+from tunegen.variant import Variant
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """A Variant rendered for one Problem's features and imported: `launch` runs it."""
+
+    variant: Variant
+    rendered: Rendered
+    launch: Callable[..., None]
+
+
+class Family(Protocol):
+    """One kernel family: its template, Variant type, features, defaults and validity rules."""
+
+    name: str
+    template: str
+    variant_type: type[Variant]
+
+    def features(self, problem: Problem, gpu: Gpu) -> dict[str, Any]:
+        """The Problem's features the template renders away, for this Gpu."""
+        ...
+
+    def default_variant(self, problem: Problem, gpu: Gpu) -> Variant:
+        """A sensible Variant when no Winner is known."""
+        ...
+
+    def check_variant(self, variant: Variant, problem: Problem, gpu: Gpu) -> None:
+        """Raise ValueError if `variant` cannot run `problem` on `gpu`."""
+        ...
+
+
+def build(family: Family, variant: Variant, problem: Problem, gpu: Gpu) -> Kernel:
+    """Check, render and import one Variant of `family` for `problem` on `gpu`."""
+    family.check_variant(variant, problem, gpu)
+    rendered = render(family.template, family.name, variant, family.features(problem, gpu))
+    module = load(rendered, interpret=gpu.backend == "interpreter")
+    return Kernel(variant=variant, rendered=rendered, launch=module.launch)

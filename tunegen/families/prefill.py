@@ -1,0 +1,119 @@
+"""The prefill family: FlashAttention-2 style forward over whole query sequences."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+from tunegen.gpu import Gpu
+from tunegen.problem import Problem
+from tunegen.variant import Variant
+
+LOADS = ("ptr", "desc")
+ORDERS = ("m_inner", "head_inner")
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillVariant(Variant):
+    """Knobs of templates/attention_fwd.py.j2.
+
+    block_m, block_n: query and key tile sizes; num_warps, num_stages: Triton's launch knobs;
+    causal_split: run the key blocks every row sees without masks, apart from the masked ones;
+    load: "ptr" (pointer arithmetic) or "desc" (device-side tensor descriptors, TMA on Hopper);
+    order: which index varies fastest over the 1-D grid, query blocks ("m_inner") or
+    (batch, head) pairs ("head_inner"); reverse_m: visit the last query blocks first.
+    """
+
+    family: ClassVar[str] = "prefill"
+
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    causal_split: bool = True
+    load: str = "ptr"
+    order: str = "m_inner"
+    reverse_m: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if not (_pow2(value) and 16 <= value <= 256):
+                raise ValueError(f"{name}: expected a power of two from 16 to 256, got {value}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps: expected 1, 2, 4, 8 or 16, got {self.num_warps}")
+        if not 1 <= self.num_stages <= 8:
+            raise ValueError(f"num_stages: expected 1 to 8, got {self.num_stages}")
+        if self.load not in LOADS:
+            raise ValueError(f"load: expected one of {LOADS}, got {self.load!r}")
+        if self.order not in ORDERS:
+            raise ValueError(f"order: expected one of {ORDERS}, got {self.order!r}")
+
+
+def block_d(head_dim: int) -> int:
+    """The head-dim tile: the next power of two, at least 16 (tl.dot's smallest K)."""
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+class PrefillFamily:
+    name = "prefill"
+    template = "attention_fwd.py.j2"
+    variant_type = PrefillVariant
+
+    def features(self, problem: Problem, gpu: Gpu) -> dict[str, Any]:
+        interpreted = gpu.backend == "interpreter"
+        return {
+            "head_dim": problem.head_dim,
+            "block_d": block_d(problem.head_dim),
+            "causal": problem.causal,
+            "varlen": problem.varlen,
+            "return_lse": problem.return_lse,
+            "group": problem.group,
+            "precision": "ieee" if problem.dtype == "float32" else None,
+            "upcast": interpreted and problem.dtype == "bfloat16",
+        }
+
+    def check_variant(self, variant: Variant, problem: Problem, gpu: Gpu) -> None:
+        if not isinstance(variant, PrefillVariant):
+            raise ValueError(f"variant: expected a PrefillVariant, got {type(variant).__name__}")
+        if variant.load == "desc":
+            if problem.dtype == "float32":
+                raise ValueError("variant.load: 'desc' takes 16-bit inputs; float32 needs 'ptr'")
+            if not problem.aligned:
+                raise ValueError(
+                    "variant.load: 'desc' needs 16-byte aligned base addresses and strides; these inputs need 'ptr'"
+                )
+            if gpu.backend == "cuda" and gpu.capability < (9, 0):
+                raise ValueError(f"variant.load: 'desc' needs compute capability 9.0 or newer, {gpu.name} has {gpu.capability}")
+
+    def default_variant(self, problem: Problem, gpu: Gpu) -> PrefillVariant:
+        """Hand-picked per GPU class and head dim until the dispatcher serves tuned Winners."""
+        d = block_d(problem.head_dim)
+        if gpu.arch == "interpreter":
+            return PrefillVariant(block_m=32, block_n=32, num_warps=4, num_stages=1)
+        descriptor = "desc" if problem.aligned and problem.dtype != "float32" else "ptr"
+        if gpu.arch in ("hopper", "blackwell"):
+            if d <= 64:
+                base = PrefillVariant(block_m=128, block_n=128, num_warps=8, num_stages=3, load=descriptor)
+            elif d <= 128:
+                base = PrefillVariant(block_m=128, block_n=128, num_warps=8, num_stages=3, load=descriptor)
+            else:
+                base = PrefillVariant(block_m=128, block_n=64, num_warps=8, num_stages=2, load=descriptor)
+        elif d <= 64:
+            base = PrefillVariant(block_m=128, block_n=64, num_warps=4, num_stages=3)
+        elif d <= 128:
+            base = PrefillVariant(block_m=128, block_n=64, num_warps=8, num_stages=2)
+        else:
+            base = PrefillVariant(block_m=64, block_n=32, num_warps=4, num_stages=2)
+        if problem.dtype == "float32":
+            base = base.replace(block_m=min(base.block_m, 64), block_n=min(base.block_n, 32), num_stages=1)
+        if problem.causal:
+            base = base.replace(order="head_inner", reverse_m=True)
+        return base
+
+
+FAMILY = PrefillFamily()

@@ -1,0 +1,68 @@
+"""Problem: what a caller asks for, as a hashable key.
+
+A Problem holds the features that change the kernel's code (rendered away by the template)
+and the sizes in buckets, so that nearby shapes share a Winner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import torch
+
+DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float32: "float32",
+}
+
+
+def bucket(n: int) -> int:
+    """The size bucket of `n`: the next power of two, at least 16 (0 stays 0)."""
+    if n <= 0:
+        return 0
+    return max(16, 1 << (n - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """The key under which a family's Winners are stored and looked up."""
+
+    family: str
+    dtype: str
+    head_dim: int
+    causal: bool
+    num_heads_q: int
+    num_heads_kv: int
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    varlen: bool = False
+    paged: bool = False
+    fp8: bool = False
+    return_lse: bool = False
+    aligned: bool = True
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head (1 for MHA, num_heads_q for MQA)."""
+        return self.num_heads_q // self.num_heads_kv
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_dict(), sort_keys=True, separators=(",", ":"))
+
+    def flops(self, seqlen_q: int | None = None, seqlen_k: int | None = None, batch: int | None = None) -> float:
+        """Forward FLOPs as the FlashAttention papers count them: 4·B·H·Nq·Nk·D, halved for causal.
+
+        Exact sizes can be passed in place of the buckets.
+        """
+        nq = self.seqlen_q if seqlen_q is None else seqlen_q
+        nk = self.seqlen_k if seqlen_k is None else seqlen_k
+        b = self.batch if batch is None else batch
+        flops = 4.0 * b * self.num_heads_q * nq * nk * self.head_dim
+        return flops / 2 if self.causal else flops

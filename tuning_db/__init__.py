@@ -1,0 +1,1 @@
+"""The tuning store (installed as tunegen.tuning_db)."""
