@@ -71,3 +71,33 @@ def attention_varlen_reference(
         out[q0:q1] = o[0].transpose(0, 1)
         lse[:, q0:q1] = s[0]
     return out, lse
+
+
+def sampled_error(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float,
+    rows: int = 64,
+    generator: torch.Generator | None = None,
+) -> float:
+    """Relative error ‖out − ref‖/‖ref‖ of a (B, H, N, D) output on randomly sampled query rows of
+    one random batch entry, against float64: a check that stays cheap at any sequence length."""
+    batch, _, seqlen_q, _ = q.shape
+    b = int(torch.randint(batch, (1,), generator=generator))
+    idx = torch.randperm(seqlen_q, generator=generator)[: min(rows, seqlen_q)].to(q.device)
+    group = q.shape[1] // k.shape[1]
+    qs = q[b][:, idx].double()
+    ks = k[b].double().repeat_interleave(group, 0)
+    vs = v[b].double().repeat_interleave(group, 0)
+    scores = torch.matmul(qs, ks.transpose(-1, -2)) * scale
+    if causal:
+        cols = torch.arange(k.shape[2], device=q.device)[None, :]
+        scores = scores.masked_fill(~(cols <= idx[:, None] + (k.shape[2] - seqlen_q)), float("-inf"))
+    probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
+    ref = torch.matmul(probs, vs)
+    got = out[b][:, idx].double()
+    return float((got - ref).norm() / ref.norm().clamp_min(1e-300))

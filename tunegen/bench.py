@@ -1,0 +1,168 @@
+"""Benchmarks: tunegen against its peers on the same GPU in the same run.
+
+Every implementation's output is checked against float64 on sampled rows before it is timed,
+so a row never reports the speed of a wrong answer.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import datetime
+import json
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+import torch
+import triton
+
+import tunegen
+from tunegen import peers
+from tunegen.gpu import cuda_gpu
+from tunegen.problem import Problem
+from tunegen.reference import sampled_error
+from tunegen.timing import median_ms
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+ERROR_LIMIT = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """One benchmark case in SDPA's (batch, heads, seqlen, head_dim) terms."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    seqlen: int
+    head_dim: int
+    causal: bool
+
+    def problem(self, dtype: str) -> Problem:
+        return Problem(
+            family="prefill", dtype=dtype, head_dim=self.head_dim, causal=self.causal, num_heads_q=self.heads,
+            num_heads_kv=self.kv_heads, batch=self.batch, seqlen_q=self.seqlen, seqlen_k=self.seqlen,
+        )
+
+
+@dataclasses.dataclass
+class Row:
+    """One (shape, implementation) measurement."""
+
+    impl: str
+    dtype: str
+    batch: int
+    heads: int
+    kv_heads: int
+    seqlen: int
+    head_dim: int
+    causal: bool
+    ms: float | None
+    tflops: float | None
+    rel_err: float | None
+    note: str
+    gpu: str
+    triton: str
+    torch: str
+    date: str
+
+
+def prefill_suite(
+    seqlens: Sequence[int] = (512, 1024, 2048, 4096, 8192, 16384),
+    head_dims: Sequence[int] = (64, 128, 256),
+    causal: Sequence[bool] = (False, True),
+    tokens: int = 16384,
+    hidden: int = 2048,
+    kv_heads: int | None = None,
+) -> list[Shape]:
+    """The FlashAttention papers' suite: `tokens` per batch (B = tokens / N), `hidden` = H · D."""
+    shapes = []
+    for d in head_dims:
+        for c in causal:
+            for n in seqlens:
+                heads = hidden // d
+                shapes.append(Shape(max(1, tokens // n), heads, kv_heads or heads, n, d, c))
+    return shapes
+
+
+def _implementations(names: Iterable[str], shape: Shape, device: torch.device) -> dict[str, Callable]:
+    impls: dict[str, Callable] = {}
+    for name in names:
+        if name == "tunegen":
+            impls[name] = lambda q, k, v, c=shape.causal: tunegen.attention(q, k, v, causal=c, strict=True)
+        elif name == "flex":
+            impls[name] = peers.flex(shape.causal, (shape.batch, shape.heads, shape.seqlen, shape.head_dim), device)
+        elif name in peers.SDPA_BACKENDS:
+            impls[name] = peers.sdpa(name, shape.causal)
+        else:
+            raise ValueError(f"impl: expected tunegen or one of {peers.available()}, got {name!r}")
+    return impls
+
+
+def _fits_math(shape: Shape, budget_bytes: float) -> bool:
+    return shape.batch * shape.heads * shape.seqlen**2 * 6 < budget_bytes
+
+
+def bench_prefill(
+    shapes: Sequence[Shape],
+    impls: Sequence[str],
+    *,
+    dtype: str = "bf16",
+    seed: int = 0,
+    on_row: Callable[[Row], None] | None = None,
+) -> list[Row]:
+    """Check then time each implementation on each shape; failures become rows with a note."""
+    device = torch.device("cuda")
+    torch_dtype = DTYPES[dtype]
+    gpu = cuda_gpu(torch.cuda.current_device())
+    today = datetime.date.today().isoformat()
+    free, _ = torch.cuda.mem_get_info()
+    rows: list[Row] = []
+    for shape in shapes:
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        q = torch.randn(shape.batch, shape.heads, shape.seqlen, shape.head_dim, generator=gen).to(device, torch_dtype)
+        k = torch.randn(shape.batch, shape.kv_heads, shape.seqlen, shape.head_dim, generator=gen).to(device, torch_dtype)
+        v = torch.randn(shape.batch, shape.kv_heads, shape.seqlen, shape.head_dim, generator=gen).to(device, torch_dtype)
+        scale = shape.head_dim**-0.5
+        flops = shape.problem(dtype).flops()
+        for name, fn in _implementations(impls, shape, device).items():
+            ms = tflops = err = None
+            note = ""
+            if name == "sdpa-math" and not _fits_math(shape, free * 0.5):
+                note = "skipped: the N x N matrix does not fit"
+            else:
+                try:
+                    out = fn(q, k, v)
+                    torch.cuda.synchronize()
+                    err = sampled_error(out, q, k, v, causal=shape.causal, scale=scale, generator=gen)
+                    if not err <= ERROR_LIMIT[torch_dtype]:
+                        note = f"wrong: relative error {err:.2e}"
+                    else:
+                        ms = median_ms(lambda fn=fn: fn(q, k, v))
+                        tflops = flops / ms / 1e9
+                    del out
+                except Exception as exc:  # a peer refusing a shape is a result, not a crash
+                    note = f"unsupported: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
+            row = Row(
+                name, dtype, shape.batch, shape.heads, shape.kv_heads, shape.seqlen, shape.head_dim, shape.causal,
+                ms, tflops, err, note, gpu.name, triton.__version__, torch.__version__, today,
+            )
+            rows.append(row)
+            if on_row is not None:
+                on_row(row)
+        del q, k, v
+        torch.cuda.empty_cache()
+    return rows
+
+
+def write_rows(rows: Sequence[Row], path: Path) -> None:
+    """Write rows as CSV or JSON, by the file's suffix."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    records = [dataclasses.asdict(r) for r in rows]
+    if path.suffix == ".json":
+        path.write_text(json.dumps(records, indent=1))
+        return
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(records[0]) if records else [])
+        writer.writeheader()
+        writer.writerows(records)
