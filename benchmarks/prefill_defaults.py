@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import functools
 import itertools
 import json
 import multiprocessing as mp
@@ -24,12 +25,35 @@ from tunegen.reference import sampled_error
 from tunegen.timing import median_ms
 
 TILES = {
-    64: [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 4, 4), (64, 64, 4, 3),
-         (128, 32, 4, 3), (256, 64, 8, 3)],
-    128: [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 4), (64, 64, 4, 3),
-          (128, 32, 4, 3), (128, 128, 4, 2)],
-    256: [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 2), (64, 64, 4, 2), (128, 32, 4, 2), (64, 32, 4, 3),
-          (128, 128, 8, 2)],
+    64: [
+        (128, 64, 4, 3),
+        (128, 64, 8, 3),
+        (128, 128, 8, 3),
+        (128, 128, 8, 2),
+        (128, 64, 4, 4),
+        (64, 64, 4, 3),
+        (128, 32, 4, 3),
+        (256, 64, 8, 3),
+    ],
+    128: [
+        (128, 64, 4, 3),
+        (128, 64, 8, 3),
+        (128, 128, 8, 3),
+        (128, 128, 8, 2),
+        (128, 64, 8, 4),
+        (64, 64, 4, 3),
+        (128, 32, 4, 3),
+        (128, 128, 4, 2),
+    ],
+    256: [
+        (128, 64, 8, 2),
+        (128, 64, 8, 3),
+        (128, 32, 8, 2),
+        (64, 64, 4, 2),
+        (128, 32, 4, 2),
+        (64, 32, 4, 3),
+        (128, 128, 8, 2),
+    ],
 }
 
 
@@ -37,8 +61,11 @@ def candidates(head_dim: int, causal: bool) -> list[prefill.PrefillVariant]:
     orders = [("head_inner", True), ("m_inner", False)] if causal else [("m_inner", False)]
     out = []
     for (bm, bn, w, s), load, (order, rev) in itertools.product(TILES[head_dim], ("desc", "ptr"), orders):
-        out.append(prefill.PrefillVariant(block_m=bm, block_n=bn, num_warps=w, num_stages=s, load=load,
-                                          order=order, reverse_m=rev))
+        out.append(
+            prefill.PrefillVariant(
+                block_m=bm, block_n=bn, num_warps=w, num_stages=s, load=load, order=order, reverse_m=rev
+            )
+        )
     return out
 
 
@@ -73,13 +100,19 @@ def main() -> None:
     shapes = prefill_suite((args.seqlen,), dims)
     jobs = [(s, v.to_json()) for s in shapes for v in candidates(s.head_dim, s.causal)]
     with cf.ProcessPoolExecutor(args.workers, mp_context=mp.get_context("spawn")) as pool:
-        compile_errors = dict(zip(range(len(jobs)), pool.map(_compile, jobs)))
+        compile_errors = dict(zip(range(len(jobs)), pool.map(_compile, jobs), strict=False))
     gpu = cuda_gpu(0)
     results = []
     for i, (shape, vj) in enumerate(jobs):
         variant = prefill.PrefillVariant.from_json(vj)
-        rec = {"shape": shape.__dict__, "variant": variant.as_dict(), "ms": None, "tflops": None, "err": None,
-               "note": compile_errors[i] or ""}
+        rec = {
+            "shape": shape.__dict__,
+            "variant": variant.as_dict(),
+            "ms": None,
+            "tflops": None,
+            "err": None,
+            "note": compile_errors[i] or "",
+        }
         if not rec["note"]:
             try:
                 kernel = base.build(prefill.FAMILY, variant, shape.problem("bfloat16"), gpu)
@@ -89,7 +122,8 @@ def main() -> None:
                 kernel.launch(q, k, v, out, None, scale)
                 rec["err"] = sampled_error(out, q, k, v, causal=shape.causal, scale=scale, generator=gen)
                 if rec["err"] < 2e-2:
-                    rec["ms"] = median_ms(lambda: kernel.launch(q, k, v, out, None, scale), warmup_ms=25, rep_ms=100)
+                    run = functools.partial(kernel.launch, q, k, v, out, None, scale)
+                    rec["ms"] = median_ms(run, warmup_ms=25, rep_ms=100)
                     rec["tflops"] = shape.problem("bfloat16").flops() / rec["ms"] / 1e9
                 else:
                     rec["note"] = "wrong"
@@ -110,12 +144,20 @@ def main() -> None:
         print("  ", r["variant"], r["note"][:150])
     for key, r in sorted(best.items()):
         v = r["variant"]
-        top = sorted((x for x in results if (x["shape"]["head_dim"], x["shape"]["causal"]) == key and x["tflops"]),
-                     key=lambda x: -x["tflops"])[:4]
-        print(f"D={key[0]} causal={key[1]}: " + " | ".join(
-            f"{x['tflops']:.0f} {x['variant']['load']} {x['variant']['block_m']}x{x['variant']['block_n']} "
-            f"w{x['variant']['num_warps']} s{x['variant']['num_stages']} {x['variant']['order'][:1]}"
-            f"{'r' if x['variant']['reverse_m'] else ''}" for x in top))
+        top = sorted(
+            (x for x in results if (x["shape"]["head_dim"], x["shape"]["causal"]) == key and x["tflops"]),
+            key=lambda x: -x["tflops"],
+        )[:4]
+        print(
+            f"D={key[0]} causal={key[1]}: "
+            + " | ".join(
+                f"{x['tflops']:.0f} {x['variant']['load']} "
+                f"{x['variant']['block_m']}x{x['variant']['block_n']} "
+                f"w{x['variant']['num_warps']} s{x['variant']['num_stages']} {x['variant']['order'][:1]}"
+                f"{'r' if x['variant']['reverse_m'] else ''}"
+                for x in top
+            )
+        )
 
 
 if __name__ == "__main__":

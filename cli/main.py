@@ -29,23 +29,45 @@ def main() -> None:
 @click.argument("family", type=click.Choice(["prefill"]))
 @click.option("--head-dim", type=int, default=128, show_default=True, help="Head dimension D.")
 @click.option("--causal/--no-causal", default=False, show_default=True)
-@click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32"]), default="bfloat16", show_default=True)
+@click.option(
+    "--dtype", type=click.Choice(["float16", "bfloat16", "float32"]), default="bfloat16", show_default=True
+)
 @click.option("--heads", type=int, default=32, show_default=True, help="Query heads.")
 @click.option("--kv-heads", type=int, default=None, help="Key/value heads (default: --heads).")
 @click.option("--varlen", is_flag=True, help="Packed sequences with cu_seqlens.")
 @click.option("--return-lse", is_flag=True, help="Also store the log-sum-exp.")
 @click.option("--unaligned", is_flag=True, help="Inputs whose strides are not 16-byte multiples.")
-@click.option("--gpu", "gpu_kind", type=click.Choice(["auto", "hopper", "ampere", "interpreter"]), default="auto",
-              show_default=True, help="GPU class whose default Variant to start from.")
-@click.option("--variant", "variant_json", default=None, help='Knobs to override, as JSON: \'{"block_m": 64}\'.')
-def render(family: str, head_dim: int, causal: bool, dtype: str, heads: int, kv_heads: int | None, varlen: bool,
-           return_lse: bool, unaligned: bool, gpu_kind: str, variant_json: str | None) -> None:
+@click.option(
+    "--gpu",
+    "gpu_kind",
+    type=click.Choice(["auto", "hopper", "ampere", "interpreter"]),
+    default="auto",
+    show_default=True,
+    help="GPU class whose default Variant to start from.",
+)
+@click.option(
+    "--variant", "variant_json", default=None, help="Knobs to override, as JSON: '{\"block_m\": 64}'."
+)
+def render(
+    family: str,
+    head_dim: int,
+    causal: bool,
+    dtype: str,
+    heads: int,
+    kv_heads: int | None,
+    varlen: bool,
+    return_lse: bool,
+    unaligned: bool,
+    gpu_kind: str,
+    variant_json: str | None,
+) -> None:
     """Print the Triton source a Variant of FAMILY renders to."""
-    from tunegen import families, render as rendering
+    import torch
+
+    from tunegen import families
+    from tunegen import render as rendering
     from tunegen.gpu import Gpu, gpu_of
     from tunegen.problem import Problem
-
-    import torch
 
     if gpu_kind == "auto":
         gpu = gpu_of(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
@@ -54,9 +76,18 @@ def render(family: str, head_dim: int, causal: bool, dtype: str, heads: int, kv_
         backend = "interpreter" if gpu_kind == "interpreter" else "cuda"
         gpu = Gpu(gpu_kind, capability, 1, 0, "", "", backend)
     problem = Problem(
-        family=family, dtype=dtype, head_dim=head_dim, causal=causal, num_heads_q=heads,
-        num_heads_kv=kv_heads or heads, batch=1, seqlen_q=1, seqlen_k=1, varlen=varlen,
-        return_lse=return_lse, aligned=not unaligned,
+        family=family,
+        dtype=dtype,
+        head_dim=head_dim,
+        causal=causal,
+        num_heads_q=heads,
+        num_heads_kv=kv_heads or heads,
+        batch=1,
+        seqlen_q=1,
+        seqlen_k=1,
+        varlen=varlen,
+        return_lse=return_lse,
+        aligned=not unaligned,
     )
     fam = families.get(family)
     variant = fam.default_variant(problem, gpu)
@@ -79,15 +110,35 @@ def bench() -> None:
 @click.option("--seqlens", callback=_parse_ints, default="512,1024,2048,4096,8192,16384", show_default=True)
 @click.option("--head-dims", callback=_parse_ints, default="64,128,256", show_default=True)
 @click.option("--causal", type=click.Choice(["both", "yes", "no"]), default="both", show_default=True)
-@click.option("--tokens", type=int, default=16384, show_default=True, help="Tokens per batch: B = tokens / N.")
+@click.option(
+    "--tokens", type=int, default=16384, show_default=True, help="Tokens per batch: B = tokens / N."
+)
 @click.option("--hidden", type=int, default=2048, show_default=True, help="Hidden size: H = hidden / D.")
 @click.option("--kv-heads", type=int, default=None, help="Key/value heads (default: as many as query heads).")
-@click.option("--impl", "impls", default=None,
-              help="Comma-separated implementations (default: tunegen and every peer available).")
-@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write every row to this .csv or .json file.")
-def bench_prefill(dtype: str, seqlens: tuple[int, ...], head_dims: tuple[int, ...], causal: str, tokens: int,
-                  hidden: int, kv_heads: int | None, impls: str | None, output: Path | None) -> None:
+@click.option(
+    "--impl",
+    "impls",
+    default=None,
+    help="Comma-separated implementations (default: tunegen and every peer available).",
+)
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write every row to this .csv or .json file.",
+)
+def bench_prefill(
+    dtype: str,
+    seqlens: tuple[int, ...],
+    head_dims: tuple[int, ...],
+    causal: str,
+    tokens: int,
+    hidden: int,
+    kv_heads: int | None,
+    impls: str | None,
+    output: Path | None,
+) -> None:
     """Prefill forward: TFLOP/s per implementation on the FlashAttention papers' suite."""
     import torch
     from rich.console import Console
@@ -101,7 +152,12 @@ def bench_prefill(dtype: str, seqlens: tuple[int, ...], head_dims: tuple[int, ..
         raise click.UsageError("bench needs a CUDA GPU: timings come from the GPU's clock")
     names = [s.strip() for s in impls.split(",")] if impls else ["tunegen", *peers.available()]
     shapes = benchmarks.prefill_suite(
-        seqlens, head_dims, {"both": (False, True), "yes": (True,), "no": (False,)}[causal], tokens, hidden, kv_heads
+        seqlens,
+        head_dims,
+        {"both": (False, True), "yes": (True,), "no": (False,)}[causal],
+        tokens,
+        hidden,
+        kv_heads,
     )
     with Progress(transient=True) as progress:
         task = progress.add_task("bench prefill", total=len(shapes) * len(names))

@@ -1,8 +1,8 @@
 """tunegen: attention kernels generated from templates, tuned per GPU, served through one import.
 
-    import tunegen
-    out = tunegen.attention(q, k, v, causal=True)            # (batch, heads, seqlen, head_dim)
-    out = tunegen.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k)   # packed sequences
+import tunegen
+out = tunegen.attention(q, k, v, causal=True)            # (batch, heads, seqlen, head_dim)
+out = tunegen.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k)   # packed sequences
 """
 
 from tunegen.api import FallbackError, attention, attention_varlen

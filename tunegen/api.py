@@ -65,7 +65,9 @@ def attention(
     backend = backend_for(q.device, strict)
     batch, heads, seqlen_q, head_dim = q.shape
     if backend == "torch":
-        out, lse = attention_reference(q, k, v, causal=causal, scale=scale, compute_dtype=_fallback_dtype(q.dtype))
+        out, lse = attention_reference(
+            q, k, v, causal=causal, scale=scale, compute_dtype=_fallback_dtype(q.dtype)
+        )
         out = out.to(q.dtype)
         return (out, lse.float()) if return_lse else out
     out = torch.empty_like(q)
@@ -108,9 +110,11 @@ def attention_varlen(
     checked (a device-to-host copy on GPU), except while a CUDA graph is being captured. With
     `return_lse`, also returns the log-sum-exp (heads, total_q) in float32.
     """
-    capturing = q.device.type == "cuda" and torch.cuda.is_current_stream_capturing() if isinstance(
-        q, torch.Tensor
-    ) else False
+    capturing = (
+        q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if isinstance(q, torch.Tensor)
+        else False
+    )
     checks.check_attention_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, read_lengths=not capturing
     )
@@ -118,7 +122,14 @@ def attention_varlen(
     backend = backend_for(q.device, strict)
     if backend == "torch":
         out, lse = attention_varlen_reference(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, scale=scale, compute_dtype=_fallback_dtype(q.dtype)
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            causal=causal,
+            scale=scale,
+            compute_dtype=_fallback_dtype(q.dtype),
         )
         out = out.to(q.dtype)
         return (out, lse.float()) if return_lse else out

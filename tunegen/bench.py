@@ -40,8 +40,15 @@ class Shape:
 
     def problem(self, dtype: str) -> Problem:
         return Problem(
-            family="prefill", dtype=dtype, head_dim=self.head_dim, causal=self.causal, num_heads_q=self.heads,
-            num_heads_kv=self.kv_heads, batch=self.batch, seqlen_q=self.seqlen, seqlen_k=self.seqlen,
+            family="prefill",
+            dtype=dtype,
+            head_dim=self.head_dim,
+            causal=self.causal,
+            num_heads_q=self.heads,
+            num_heads_kv=self.kv_heads,
+            batch=self.batch,
+            seqlen_q=self.seqlen,
+            seqlen_k=self.seqlen,
         )
 
 
@@ -91,7 +98,9 @@ def _implementations(names: Iterable[str], shape: Shape, device: torch.device) -
         if name == "tunegen":
             impls[name] = lambda q, k, v, c=shape.causal: tunegen.attention(q, k, v, causal=c, strict=True)
         elif name == "flex":
-            impls[name] = peers.flex(shape.causal, (shape.batch, shape.heads, shape.seqlen, shape.head_dim), device)
+            impls[name] = peers.flex(
+                shape.causal, (shape.batch, shape.heads, shape.seqlen, shape.head_dim), device
+            )
         elif name in peers.SDPA_BACKENDS:
             impls[name] = peers.sdpa(name, shape.causal)
         else:
@@ -120,9 +129,15 @@ def bench_prefill(
     rows: list[Row] = []
     for shape in shapes:
         gen = torch.Generator(device="cpu").manual_seed(seed)
-        q = torch.randn(shape.batch, shape.heads, shape.seqlen, shape.head_dim, generator=gen).to(device, torch_dtype)
-        k = torch.randn(shape.batch, shape.kv_heads, shape.seqlen, shape.head_dim, generator=gen).to(device, torch_dtype)
-        v = torch.randn(shape.batch, shape.kv_heads, shape.seqlen, shape.head_dim, generator=gen).to(device, torch_dtype)
+        q = torch.randn(shape.batch, shape.heads, shape.seqlen, shape.head_dim, generator=gen).to(
+            device, torch_dtype
+        )
+        k = torch.randn(shape.batch, shape.kv_heads, shape.seqlen, shape.head_dim, generator=gen).to(
+            device, torch_dtype
+        )
+        v = torch.randn(shape.batch, shape.kv_heads, shape.seqlen, shape.head_dim, generator=gen).to(
+            device, torch_dtype
+        )
         scale = shape.head_dim**-0.5
         flops = shape.problem(dtype).flops()
         for name, fn in _implementations(impls, shape, device).items():
@@ -138,14 +153,29 @@ def bench_prefill(
                     if not err <= ERROR_LIMIT[torch_dtype]:
                         note = f"wrong: relative error {err:.2e}"
                     else:
-                        ms = median_ms(lambda fn=fn: fn(q, k, v))
+                        ms = median_ms(lambda fn=fn, q=q, k=k, v=v: fn(q, k, v))
                         tflops = flops / ms / 1e9
                     del out
                 except Exception as exc:  # a peer refusing a shape is a result, not a crash
-                    note = f"unsupported: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
+                    first = str(exc).splitlines()[0][:120] if str(exc) else ""
+                    note = f"unsupported: {type(exc).__name__}: {first}"
             row = Row(
-                name, dtype, shape.batch, shape.heads, shape.kv_heads, shape.seqlen, shape.head_dim, shape.causal,
-                ms, tflops, err, note, gpu.name, triton.__version__, torch.__version__, today,
+                name,
+                dtype,
+                shape.batch,
+                shape.heads,
+                shape.kv_heads,
+                shape.seqlen,
+                shape.head_dim,
+                shape.causal,
+                ms,
+                tflops,
+                err,
+                note,
+                gpu.name,
+                triton.__version__,
+                torch.__version__,
+                today,
             )
             rows.append(row)
             if on_row is not None:

@@ -3,6 +3,7 @@ argument and says what was expected, before any kernel runs."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -18,9 +19,7 @@ def _tensor(name: str, t: object, rank: int, layout: str) -> torch.Tensor:
     if t.dim() != rank:
         raise ValueError(f"{name}: expected {rank} dimensions {layout}, got shape {tuple(t.shape)}")
     if t.dtype not in DTYPE_NAMES:
-        raise ValueError(
-            f"{name}: expected dtype float16, bfloat16 or float32, got {t.dtype}"
-        )
+        raise ValueError(f"{name}: expected dtype float16, bfloat16 or float32, got {t.dtype}")
     if t.numel() == 0:
         raise ValueError(f"{name}: every dimension must be non-zero, got shape {tuple(t.shape)}")
     if t.stride(-1) != 1:
@@ -48,7 +47,8 @@ def _heads(hq: int, hk: int, hv: int) -> None:
         raise ValueError(f"v: expected {hk} heads like k, got {hv}")
     if hq % hk != 0:
         raise ValueError(
-            f"k: the number of query heads ({hq}) must be a multiple of the number of key/value heads, got {hk}"
+            f"k: the number of query heads ({hq}) must be a multiple of the number of "
+            f"key/value heads, got {hk}"
         )
 
 
@@ -90,7 +90,11 @@ def check_attention_varlen(
     cus = []
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype != torch.int32:
-            what = f"{cu.dtype} tensor of shape {tuple(cu.shape)}" if isinstance(cu, torch.Tensor) else type(cu).__name__
+            what = (
+                f"{cu.dtype} tensor of shape {tuple(cu.shape)}"
+                if isinstance(cu, torch.Tensor)
+                else type(cu).__name__
+            )
             raise ValueError(f"{name}: expected a 1-D int32 tensor of batch + 1 offsets, got {what}")
         if cu.shape[0] < 2:
             raise ValueError(f"{name}: expected at least 2 offsets (batch + 1), got {cu.shape[0]}")
@@ -115,11 +119,13 @@ def check_attention_varlen(
         offsets = cu.tolist()
         if offsets[0] != 0:
             raise ValueError(f"{name}: expected the first offset to be 0, got {offsets[0]}")
-        lengths = [b - a for a, b in zip(offsets, offsets[1:])]
+        lengths = [b - a for a, b in itertools.pairwise(offsets)]
         if min(lengths) < 0:
             raise ValueError(f"{name}: offsets must not decrease, got {offsets}")
         if offsets[-1] != total:
-            raise ValueError(f"{name}: expected the last offset to equal the token count {total}, got {offsets[-1]}")
+            raise ValueError(
+                f"{name}: expected the last offset to equal the token count {total}, got {offsets[-1]}"
+            )
         max_name = "max_seqlen_q" if name == "cu_seqlens_q" else "max_seqlen_k"
         if max(lengths) > maximum:
             raise ValueError(f"{max_name}: a sequence has {max(lengths)} tokens, more than {maximum}")
@@ -129,7 +135,12 @@ def check_scale(scale: object, head_dim: int) -> float:
     """The softmax scale: None means 1/sqrt(head_dim); otherwise a positive finite number."""
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+    if (
+        isinstance(scale, bool)
+        or not isinstance(scale, (int, float))
+        or not math.isfinite(scale)
+        or scale <= 0
+    ):
         raise ValueError(f"scale: expected None or a positive finite float, got {scale!r}")
     return float(scale)
 

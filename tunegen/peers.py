@@ -26,7 +26,9 @@ def sdpa(backend: str, causal: bool) -> Attention:
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         with sdpa_kernel(chosen):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
+            return F.scaled_dot_product_attention(
+                q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1]
+            )
 
     return run
 
@@ -36,7 +38,7 @@ def flex(causal: bool, shape: tuple[int, int, int, int], device: torch.device) -
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     compiled = torch.compile(flex_attention, dynamic=False)
-    batch, heads, seqlen, _ = shape
+    batch, _heads, seqlen, _ = shape
     block_mask = None
     if causal:
         block_mask = create_block_mask(

@@ -56,7 +56,9 @@ class Problem:
     def to_json(self) -> str:
         return json.dumps(self.as_dict(), sort_keys=True, separators=(",", ":"))
 
-    def flops(self, seqlen_q: int | None = None, seqlen_k: int | None = None, batch: int | None = None) -> float:
+    def flops(
+        self, seqlen_q: int | None = None, seqlen_k: int | None = None, batch: int | None = None
+    ) -> float:
         """Forward FLOPs as the FlashAttention papers count them: 4·B·H·Nq·Nk·D, halved for causal.
 
         Exact sizes can be passed in place of the buckets.

@@ -7,6 +7,7 @@ any module, so Triton can read the source it compiles and a user can read what r
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -16,6 +17,7 @@ import os
 import sys
 import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -48,7 +50,7 @@ def _environment() -> jinja2.Environment:
 def template_hash(name: str) -> str:
     """Hash of a template and the shared macro files it may import (provenance for Winners)."""
     digest = hashlib.sha256()
-    for path in sorted(template_dir().glob("_*.j2")) + [template_dir() / name]:
+    for path in [*sorted(template_dir().glob("_*.j2")), template_dir() / name]:
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
@@ -113,17 +115,25 @@ def load(rendered: Rendered, *, interpret: bool) -> ModuleType:
         spec = importlib.util.spec_from_file_location(name, path)
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
-        previous = os.environ.get("TRITON_INTERPRET")
-        os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
         try:
             sys.modules[name] = module
-            spec.loader.exec_module(module)
+            with interpreting(interpret):
+                spec.loader.exec_module(module)
         except BaseException:
             sys.modules.pop(name, None)
             raise
-        finally:
-            if previous is None:
-                del os.environ["TRITON_INTERPRET"]
-            else:
-                os.environ["TRITON_INTERPRET"] = previous
         return module
+
+
+@contextlib.contextmanager
+def interpreting(flag: bool) -> Iterator[None]:
+    """Set TRITON_INTERPRET for the block: Triton reads it when it decorates and compiles kernels."""
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1" if flag else "0"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = previous

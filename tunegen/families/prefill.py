@@ -85,35 +85,46 @@ class PrefillFamily:
                 raise ValueError("variant.load: 'desc' takes 16-bit inputs; float32 needs 'ptr'")
             if not problem.aligned:
                 raise ValueError(
-                    "variant.load: 'desc' needs 16-byte aligned base addresses and strides; these inputs need 'ptr'"
+                    "variant.load: 'desc' needs 16-byte aligned base addresses and strides; "
+                    "these inputs need 'ptr'"
                 )
             if gpu.backend == "cuda" and gpu.capability < (9, 0):
-                raise ValueError(f"variant.load: 'desc' needs compute capability 9.0 or newer, {gpu.name} has {gpu.capability}")
+                raise ValueError(
+                    f"variant.load: 'desc' needs compute capability 9.0 or newer, "
+                    f"{gpu.name} has {gpu.capability}"
+                )
 
     def default_variant(self, problem: Problem, gpu: Gpu) -> PrefillVariant:
-        """Hand-picked per GPU class and head dim until the dispatcher serves tuned Winners."""
+        """Hand-picked per GPU class and head dim until the dispatcher serves tuned Winners.
+
+        The Hopper rows come from benchmarks/prefill_defaults.py on an H100 (bf16, N=4096; see
+        benchmarks/results/prefill_defaults_h100.md); the others are conservative guesses.
+        """
         d = block_d(problem.head_dim)
         if gpu.arch == "interpreter":
             return PrefillVariant(block_m=32, block_n=32, num_warps=4, num_stages=1)
-        descriptor = "desc" if problem.aligned and problem.dtype != "float32" else "ptr"
-        if gpu.arch in ("hopper", "blackwell"):
-            if d <= 64:
-                base = PrefillVariant(block_m=128, block_n=128, num_warps=8, num_stages=3, load=descriptor)
-            elif d <= 128:
-                base = PrefillVariant(block_m=128, block_n=128, num_warps=8, num_stages=3, load=descriptor)
-            else:
-                base = PrefillVariant(block_m=128, block_n=64, num_warps=8, num_stages=2, load=descriptor)
-        elif d <= 64:
-            base = PrefillVariant(block_m=128, block_n=64, num_warps=4, num_stages=3)
-        elif d <= 128:
-            base = PrefillVariant(block_m=128, block_n=64, num_warps=8, num_stages=2)
-        else:
-            base = PrefillVariant(block_m=64, block_n=32, num_warps=4, num_stages=2)
         if problem.dtype == "float32":
-            base = base.replace(block_m=min(base.block_m, 64), block_n=min(base.block_n, 32), num_stages=1)
-        if problem.causal:
-            base = base.replace(order="head_inner", reverse_m=True)
-        return base
+            return PrefillVariant(block_m=64, block_n=32, num_warps=4, num_stages=1)
+        if gpu.arch in ("hopper", "blackwell"):
+            if d <= 128:
+                return PrefillVariant(block_m=128, block_n=64, num_warps=8, num_stages=3)
+            load = "desc" if problem.aligned else "ptr"
+            if problem.causal:
+                return PrefillVariant(
+                    block_m=128,
+                    block_n=64,
+                    num_warps=8,
+                    num_stages=2,
+                    load=load,
+                    order="head_inner",
+                    reverse_m=True,
+                )
+            return PrefillVariant(block_m=128, block_n=64, num_warps=8, num_stages=2, load=load)
+        if d <= 64:
+            return PrefillVariant(block_m=128, block_n=64, num_warps=4, num_stages=3)
+        if d <= 128:
+            return PrefillVariant(block_m=128, block_n=64, num_warps=8, num_stages=2)
+        return PrefillVariant(block_m=64, block_n=32, num_warps=4, num_stages=2)
 
 
 FAMILY = PrefillFamily()

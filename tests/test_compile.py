@@ -1,0 +1,50 @@
+"""Every default Variant compiles for real GPU targets (no GPU needed: Triton lowers to a cubin
+anywhere), within the shared memory the target has; the interpreter alone would miss errors
+such as non-constexpr globals that only the compiler rejects."""
+
+from __future__ import annotations
+
+from tunegen.compiler import CompileJob, compile_many
+from tunegen.families import prefill
+from tunegen.gpu import Gpu
+from tunegen.problem import Problem
+from tunegen.render import render
+
+TARGETS = {
+    "hopper": Gpu("H100", (9, 0), 132, 232448, "", "", "cuda"),
+    "ampere": Gpu("A100", (8, 0), 108, 166912, "", "", "cuda"),
+}
+CASES = [
+    ("bfloat16", 64, False, False, False),
+    ("bfloat16", 128, True, False, True),
+    ("float16", 80, True, True, True),
+    ("bfloat16", 256, False, False, False),
+    ("bfloat16", 192, True, True, False),
+    ("float32", 128, True, False, True),
+]
+
+
+def _job(gpu, problem, variant=None):
+    variant = variant or prefill.FAMILY.default_variant(problem, gpu)
+    rendered = render(prefill.FAMILY.template, "prefill", variant, prefill.FAMILY.features(problem, gpu))
+    return CompileJob(rendered, problem.dtype, gpu.capability)
+
+
+def test_default_variants_compile_and_oversized_ones_are_caught():
+    jobs, limits = [], []
+    for gpu in TARGETS.values():
+        for dtype, d, causal, varlen, lse in CASES:
+            problem = Problem(
+                "prefill", dtype, d, causal, 16, 4, 4, 4096, 4096, varlen=varlen, return_lse=lse
+            )
+            jobs.append(_job(gpu, problem))
+            limits.append(gpu.smem_per_block)
+    oversized = prefill.PrefillVariant(block_m=128, block_n=128, num_warps=8, num_stages=2)
+    jobs.append(
+        _job(TARGETS["hopper"], Problem("prefill", "bfloat16", 256, False, 8, 8, 4, 4096, 4096), oversized)
+    )
+    reports = compile_many(jobs, workers=2)
+    for job, limit, report in zip(jobs, limits, reports, strict=False):
+        assert report.error is None, (job.rendered.source.splitlines()[3], report.error)
+        assert 0 < report.shared_bytes <= limit
+    assert reports[-1].shared_bytes > TARGETS["hopper"].smem_per_block

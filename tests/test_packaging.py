@@ -1,0 +1,85 @@
+"""A wheel built from the repository carries the templates and the CLI: installed into a fresh
+virtual environment, `tunegen --help` and a kernel render work from another folder."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_wheel_installs_and_runs_elsewhere(tmp_path):
+    dist = tmp_path / "dist"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(dist),
+            str(ROOT),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = dist.glob("tunegen-*.whl")
+    env_dir = tmp_path / "venv"
+    # The heavy dependencies (torch, triton) come from this interpreter's site-packages; the
+    # wheel itself goes into the fresh environment, which shadows any development install.
+    venv.EnvBuilder(system_site_packages=True, with_pip=True).create(env_dir)
+    python = env_dir / "bin" / "python"
+    subprocess.run(
+        [python, "-m", "pip", "install", "--no-deps", "--no-index", str(wheel)],
+        check=True,
+        capture_output=True,
+    )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["TUNEGEN_CACHE_DIR"] = str(tmp_path / "cache")
+    help_text = subprocess.run(
+        [env_dir / "bin" / "tunegen", "--help"],
+        cwd=elsewhere,
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    assert "render" in help_text and "bench" in help_text
+    probe = (
+        "import tunegen, tunegen.cli, tunegen.tuning_db, tunegen.templates, sys;"
+        "from tunegen.render import template_dir;"
+        "print(tunegen.__file__); print(sorted(p.name for p in template_dir().glob('*.j2')))"
+    )
+    out = subprocess.run(
+        [python, "-c", probe], cwd=elsewhere, env=env, check=True, capture_output=True, text=True
+    ).stdout.splitlines()
+    assert out[0].startswith(str(env_dir)), out[0]
+    assert "attention_fwd.py.j2" in out[1] and "_attention.j2" in out[1]
+    rendered = subprocess.run(
+        [env_dir / "bin" / "tunegen", "render", "prefill", "--gpu", "hopper"],
+        cwd=elsewhere,
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    assert "def attn_fwd(" in rendered
+    for top in ("cli", "templates", "tuning_db"):
+        assert not (
+            env_dir
+            / "lib"
+            / f"python{sys.version_info.major}.{sys.version_info.minor}"
+            / "site-packages"
+            / top
+        ).exists(), f"{top} must not pollute site-packages"

@@ -1,0 +1,118 @@
+"""The prefill kernel against float64: every feature, every knob, ragged sizes, poisoned outputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tunegen
+from tests.helpers import DTYPES, REL_TOL, assert_lse, randn, rel_err, run_variant
+from tunegen.families.prefill import PrefillVariant
+from tunegen.reference import attention_reference
+
+SMALL = PrefillVariant(block_m=32, block_n=16, num_warps=4, num_stages=1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    ("batch", "hq", "hkv", "nq", "nk", "d"),
+    [
+        (2, 4, 4, 37, 37, 64),  # MHA, ragged length
+        (3, 8, 2, 45, 45, 80),  # GQA 4, head dim not a power of two
+        (1, 6, 1, 19, 70, 96),  # MQA, fewer queries than keys (causal aligned bottom-right)
+        (2, 2, 2, 70, 19, 128),  # more queries than keys: causal rows with no key give zeros
+        (1, 2, 1, 33, 41, 256),
+        (2, 3, 3, 17, 23, 17),  # odd head dim
+    ],
+)
+def test_matches_float64(device, dtype, causal, batch, hq, hkv, nq, nk, d):
+    gen = torch.Generator().manual_seed(hash((batch, hq, nq, nk, d, causal)) % 2**31)
+    q = randn(batch, hq, nq, d, dtype=dtype, device=device, gen=gen)
+    k = randn(batch, hkv, nk, d, dtype=dtype, device=device, gen=gen)
+    v = randn(batch, hkv, nk, d, dtype=dtype, device=device, gen=gen)
+    scale = d**-0.5
+    out, lse = run_variant(SMALL, q, k, v, causal=causal, scale=scale)
+    ref, ref_lse = attention_reference(q, k, v, causal=causal, scale=scale)
+    assert rel_err(out, ref) < REL_TOL[dtype]
+    assert_lse(lse, ref_lse, dtype)
+    if causal and nq > nk:
+        assert torch.all(out[:, :, : nq - nk] == 0)
+
+
+KNOBS = [
+    PrefillVariant(block_m=16, block_n=16, num_warps=4, num_stages=1),
+    PrefillVariant(block_m=64, block_n=32, num_warps=4, num_stages=2, causal_split=False),
+    PrefillVariant(block_m=32, block_n=64, num_warps=8, num_stages=3, load="desc"),
+    PrefillVariant(block_m=16, block_n=32, num_warps=4, num_stages=2, load="desc", causal_split=False),
+    PrefillVariant(block_m=32, block_n=32, num_warps=4, num_stages=2, order="head_inner", reverse_m=True),
+    PrefillVariant(block_m=64, block_n=16, num_warps=4, num_stages=2, order="head_inner", load="desc"),
+    PrefillVariant(block_m=16, block_n=32, num_warps=2, num_stages=3, order="m_inner", reverse_m=True),
+]
+
+
+@pytest.mark.parametrize("variant", KNOBS, ids=lambda v: v.to_json())
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_every_knob_is_correct(device, variant, causal):
+    """Each knob changes the code; each setting must compute the same function."""
+    gen = torch.Generator().manual_seed(7)
+    dtype = torch.float16
+    q = randn(2, 4, 75, 64, dtype=dtype, device=device, gen=gen)
+    k = randn(2, 2, 61, 64, dtype=dtype, device=device, gen=gen)
+    v = randn(2, 2, 61, 64, dtype=dtype, device=device, gen=gen)
+    out, lse = run_variant(variant, q, k, v, causal=causal, scale=0.3)
+    ref, ref_lse = attention_reference(q, k, v, causal=causal, scale=0.3)
+    assert rel_err(out, ref) < REL_TOL[dtype]
+    assert_lse(lse, ref_lse, dtype)
+
+
+def test_strided_views_need_no_copy(device):
+    """(B, N, H, D) tensors seen through .transpose(1, 2) run in place, output in the same layout."""
+    gen = torch.Generator().manual_seed(3)
+    dtype = torch.float16
+    q = randn(2, 53, 4, 64, dtype=dtype, device=device, gen=gen).transpose(1, 2)
+    kv = randn(2, 53, 2, 2, 64, dtype=dtype, device=device, gen=gen)
+    k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # interleaved K/V, strided heads
+    assert not q.is_contiguous() and not k.is_contiguous()
+    out = tunegen.attention(q, k, v, causal=True)
+    ref, _ = attention_reference(q, k, v, causal=True, scale=64**-0.5)
+    assert out.stride() == q.stride()
+    assert rel_err(out, ref) < REL_TOL[dtype]
+
+
+def test_unaligned_strides_take_the_pointer_path(device):
+    """Strides that are not 16-byte multiples cannot use tensor descriptors: the default handles them."""
+    gen = torch.Generator().manual_seed(4)
+    dtype = torch.float16
+    base = randn(1, 3, 40, 3 * 33, dtype=dtype, device=device, gen=gen)
+    q, k, v = base[..., :33], base[..., 33:66], base[..., 66:]
+    out, lse = tunegen.attention(q, k, v, return_lse=True)
+    ref, ref_lse = attention_reference(q, k, v, causal=False, scale=33**-0.5)
+    assert rel_err(out, ref) < REL_TOL[dtype]
+    assert_lse(lse, ref_lse, dtype)
+    with pytest.raises(ValueError, match=r"variant\.load"):
+        run_variant(PrefillVariant(load="desc", block_m=16, block_n=16), q, k, v, causal=False, scale=0.1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_public_api_defaults(device, dtype):
+    gen = torch.Generator().manual_seed(5)
+    q = randn(2, 8, 50, 128, dtype=dtype, device=device, gen=gen)
+    k = randn(2, 2, 50, 128, dtype=dtype, device=device, gen=gen)
+    v = randn(2, 2, 50, 128, dtype=dtype, device=device, gen=gen)
+    for causal in (False, True):
+        out = tunegen.attention(q, k, v, causal=causal, scale=0.2, strict=True)
+        ref, ref_lse = attention_reference(q, k, v, causal=causal, scale=0.2)
+        assert out.dtype == dtype and out.shape == q.shape
+        assert rel_err(out, ref) < REL_TOL[dtype]
+        out2, lse = tunegen.attention(q, k, v, causal=causal, scale=0.2, return_lse=True)
+        assert lse.dtype == torch.float32 and lse.shape == (2, 8, 50)
+        assert_lse(lse, ref_lse, dtype)
+        assert torch.equal(out, out2)
+
+
+def test_default_scale_is_inverse_sqrt_head_dim(device):
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (randn(1, 2, 24, 48, dtype=torch.float32, device=device, gen=gen) for _ in range(3))
+    ref, _ = attention_reference(q, k, v, causal=False, scale=48**-0.5)
+    assert rel_err(tunegen.attention(q, k, v), ref) < REL_TOL[torch.float32]

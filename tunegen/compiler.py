@@ -1,0 +1,69 @@
+"""Compiling rendered kernels for a GPU target without the GPU: Triton lowers to a cubin on any
+machine, so compile errors and shared-memory overflows show up on a CPU-only machine or CI.
+
+Compiles run in fresh worker processes: Triton fixes at import whether its own library
+functions are interpreted, so a process that ran kernels under TRITON_INTERPRET=1 cannot
+compile for a GPU, and compiling is CPU-bound work worth spreading over cores anyway.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import multiprocessing
+from collections.abc import Sequence
+
+from tunegen.render import Rendered, interpreting, load
+
+TRITON_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileReport:
+    """What compiling one kernel for one target produced: shared memory or the compiler's error."""
+
+    capability: tuple[int, int]
+    shared_bytes: int | None
+    error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileJob:
+    rendered: Rendered
+    dtype: str
+    capability: tuple[int, int]
+
+
+def compile_for(job: CompileJob) -> CompileReport:
+    """Compile one rendered kernel in this process (which must never have interpreted a kernel)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    try:
+        module = load(job.rendered, interpret=False)
+        types, constexprs = module.signature(TRITON_DTYPES[job.dtype])
+        # As a launch on 16-byte aligned tensors would: pointers and strides divisible by 16,
+        # which is what lets Triton pipeline the loads (and what sizes shared memory).
+        aligned = [
+            (i,)
+            for i, name in enumerate(module.attn_fwd.arg_names)
+            if name.startswith("stride_") or types[name].startswith("*")
+        ]
+        attrs = {index: [["tt.divisibility", 16]] for index in aligned}
+        source = ASTSource(module.attn_fwd, types, constexprs=constexprs, attrs=attrs)
+        arch = job.capability[0] * 10 + job.capability[1]
+        options = {"num_warps": module.NUM_WARPS, "num_stages": module.NUM_STAGES}
+        compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+    except Exception as exc:  # the compiler's verdict is the result
+        return CompileReport(job.capability, None, f"{type(exc).__name__}: {exc}")
+    return CompileReport(job.capability, int(compiled.metadata.shared))
+
+
+def compile_many(jobs: Sequence[CompileJob], workers: int | None = None) -> list[CompileReport]:
+    """Compile `jobs` across fresh processes (Triton not in interpreter mode there), in order."""
+    if not jobs:
+        return []
+    context = multiprocessing.get_context("spawn")
+    with interpreting(False), concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+        return list(pool.map(compile_for, jobs))
