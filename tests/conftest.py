@@ -1,5 +1,10 @@
 """Test setup: CPU tests run the real kernels under Triton's interpreter; GPU tests are marked
-`gpu` and skipped without CUDA. Rendered kernels go to a per-session cache folder."""
+`gpu` and skipped without CUDA. Rendered kernels go to a per-session cache folder.
+
+One process cannot both interpret and compile Triton kernels (Triton fixes the mode of its own
+library functions at import), so on a GPU machine run `pytest -m gpu` for the GPU leg and
+`TRITON_INTERPRET=1 pytest` for the CPU leg.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +13,16 @@ import os
 import pytest
 import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+NEEDS_INTERPRETER = pytest.mark.skipif(not INTERPRETING, reason="CPU kernels need TRITON_INTERPRET=1")
+NEEDS_GPU = pytest.mark.skipif(not HAS_CUDA or INTERPRETING, reason="needs a GPU, compiled kernels")
 DEVICES = [
-    "cpu",
-    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="no GPU")]),
+    pytest.param("cpu", marks=NEEDS_INTERPRETER),
+    pytest.param("cuda", marks=[pytest.mark.gpu, NEEDS_GPU]),
 ]
 
 

@@ -4,6 +4,7 @@ virtual environment, `tunegen --help` and a kernel render work from another fold
 from __future__ import annotations
 
 import os
+import site
 import subprocess
 import sys
 import venv
@@ -34,10 +35,18 @@ def test_wheel_installs_and_runs_elsewhere(tmp_path):
     )
     (wheel,) = dist.glob("tunegen-*.whl")
     env_dir = tmp_path / "venv"
-    # The heavy dependencies (torch, triton) come from this interpreter's site-packages; the
-    # wheel itself goes into the fresh environment, which shadows any development install.
-    venv.EnvBuilder(system_site_packages=True, with_pip=True).create(env_dir)
+    venv.EnvBuilder(with_pip=True).create(env_dir)
     python = env_dir / "bin" / "python"
+    # The heavy dependencies (torch, triton) are borrowed from this interpreter's site-packages
+    # as plain path entries, after the fresh environment's own: the wheel shadows any
+    # development install, whose import hooks are not loaded.
+    purelib = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    Path(purelib, "borrowed.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     subprocess.run(
         [python, "-m", "pip", "install", "--no-deps", "--no-index", str(wheel)],
         check=True,
@@ -76,10 +85,4 @@ def test_wheel_installs_and_runs_elsewhere(tmp_path):
     ).stdout
     assert "def attn_fwd(" in rendered
     for top in ("cli", "templates", "tuning_db"):
-        assert not (
-            env_dir
-            / "lib"
-            / f"python{sys.version_info.major}.{sys.version_info.minor}"
-            / "site-packages"
-            / top
-        ).exists(), f"{top} must not pollute site-packages"
+        assert not Path(purelib, top).exists(), f"{top} must not pollute site-packages"

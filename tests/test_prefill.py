@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tunegen
-from tests.helpers import DTYPES, REL_TOL, assert_lse, randn, rel_err, run_variant
+from helpers import DTYPES, REL_TOL, assert_lse, randn, rel_err, run_variant
 from tunegen.families.prefill import PrefillVariant
 from tunegen.reference import attention_reference
 

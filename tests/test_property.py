@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tunegen
-from tests.helpers import REL_TOL, assert_lse, rel_err
+from helpers import REL_TOL, assert_lse, rel_err
 from tunegen.reference import attention_reference
 
 

@@ -6,8 +6,8 @@ import ast
 
 import pytest
 from click.testing import CliRunner
-from tunegen.cli.main import main
 
+from tunegen.cli.main import main
 from tunegen.families import prefill
 from tunegen.gpu import Gpu
 from tunegen.problem import Problem

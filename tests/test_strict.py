@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tunegen
-from tests.helpers import REL_TOL, rel_err
+from helpers import REL_TOL, rel_err
 from tunegen.api import backend_for
 from tunegen.reference import attention_reference, attention_varlen_reference
 
