@@ -37,6 +37,9 @@ def flex(causal: bool, shape: tuple[int, int, int, int], device: torch.device) -
     """FlexAttention compiled by torch.compile, with a causal block mask when asked."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+    # A fresh compile per shape: past dynamo's recompile limit, flex_attention would silently
+    # run eagerly (materializing the scores) and be timed as if it were FlexAttention.
+    torch._dynamo.reset()
     compiled = torch.compile(flex_attention, dynamic=False)
     batch, _heads, seqlen, _ = shape
     block_mask = None
