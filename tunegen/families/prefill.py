@@ -97,8 +97,8 @@ class PrefillFamily:
     def default_variant(self, problem: Problem, gpu: Gpu) -> PrefillVariant:
         """Hand-picked per GPU class and head dim until the dispatcher serves tuned Winners.
 
-        The Hopper rows come from benchmarks/prefill_defaults.py on an H100 (bf16, N=4096; see
-        benchmarks/results/prefill_defaults_h100.md); the others are conservative guesses.
+        The Hopper rows come from benchmarks/prefill_defaults.py on an H100 (bf16, N = 512 to
+        4096; see benchmarks/results/prefill_h100.md); the others are conservative guesses.
         """
         d = block_d(problem.head_dim)
         if gpu.arch == "interpreter":
@@ -107,19 +107,16 @@ class PrefillFamily:
             return PrefillVariant(block_m=64, block_n=32, num_warps=4, num_stages=1)
         if gpu.arch in ("hopper", "blackwell"):
             if d <= 128:
+                if problem.seqlen_q <= 512:
+                    return PrefillVariant(block_m=64, block_n=64, num_warps=4, num_stages=3)
                 return PrefillVariant(block_m=128, block_n=64, num_warps=8, num_stages=3)
+            wide = PrefillVariant(block_m=128, block_n=64, num_warps=8, num_stages=2)
+            if problem.causal and problem.seqlen_q <= 2048:
+                return wide
             load = "desc" if problem.aligned else "ptr"
             if problem.causal:
-                return PrefillVariant(
-                    block_m=128,
-                    block_n=64,
-                    num_warps=8,
-                    num_stages=2,
-                    load=load,
-                    order="head_inner",
-                    reverse_m=True,
-                )
-            return PrefillVariant(block_m=128, block_n=64, num_warps=8, num_stages=2, load=load)
+                return wide.replace(load=load, order="head_inner", reverse_m=True)
+            return wide.replace(load=load)
         if d <= 64:
             return PrefillVariant(block_m=128, block_n=64, num_warps=4, num_stages=3)
         if d <= 128:
