@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -174,6 +175,167 @@ def bench_prefill(
     for key, cells in by_shape.items():
         table.add_row(*(str(x) for x in key), *(cells.get(n, "") for n in names))
     Console(width=200).print(table)
+
+
+def _db_option(command):
+    return click.option(
+        "--db",
+        "db_url",
+        default=None,
+        metavar="URL",
+        help="SQLAlchemy URL of the tuning database (default: TUNEGEN_DB, else the user's SQLite file).",
+    )(command)
+
+
+@contextlib.contextmanager
+def _store(db_url, *, readonly):
+    """Open the store; its errors and invalid input become clean command-line errors."""
+    from tunegen.database import open_store
+    from tunegen.tuning_db import TuningDbError
+
+    try:
+        with open_store(db_url, readonly=readonly) as store:
+            yield store
+    except (TuningDbError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _problem_text(problem: dict) -> str:
+    heads = f"{problem.get('num_heads_q')}/{problem.get('num_heads_kv')}"
+    flags = [name for name in ("causal", "varlen", "paged", "fp8", "return_lse") if problem.get(name)]
+    sizes = f"B{problem.get('batch')} {problem.get('seqlen_q')}x{problem.get('seqlen_k')}"
+    return f"{problem.get('dtype')} D{problem.get('head_dim')} H{heads} {sizes} {' '.join(flags)}".strip()
+
+
+def _variant_text(variant: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in sorted(variant.items()))
+
+
+@main.command("list")
+@_db_option
+@click.option("--gpu", "gpu_name", default=None, help="Only this GPU (its name).")
+@click.option("--family", default=None, help="Only this family.")
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
+def list_winners(db_url: str | None, gpu_name: str | None, family: str | None, fmt: str) -> None:
+    """List the Winners in the tuning database."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from tunegen.tuning_db.exchange import entry
+
+    with _store(db_url, readonly=True) as store:
+        winners = store.winners(gpu_name=gpu_name, family=family)
+    if fmt == "json":
+        click.echo(json.dumps([{"id": w.id, "gpu": w.gpu.name, **entry(w)} for w in winners], indent=1))
+        return
+    table = Table(title=f"{len(winners)} winners")
+    for col in ("id", "gpu", "family", "problem", "variant", "ms", "TFLOP/s", "vs peer", "triton"):
+        table.add_column(col)
+    for w in winners:
+        table.add_row(
+            str(w.id),
+            w.gpu.name,
+            w.family,
+            _problem_text(w.problem),
+            _variant_text(w.variant),
+            f"{w.median_ms:.4f}",
+            f"{w.tflops:.0f}" if w.tflops else "-",
+            f"{w.speedup:.2f}x {w.peer_name}" if w.speedup else "-",
+            w.triton_version,
+        )
+    Console(width=220).print(table)
+
+
+@main.command()
+@_db_option
+@click.argument("winner_id", type=int)
+def show(db_url: str | None, winner_id: int) -> None:
+    """Show one Winner with its provenance (ids come from `tunegen list`)."""
+    import dataclasses
+
+    from tunegen.tuning_db.exchange import entry
+
+    with _store(db_url, readonly=True) as store:
+        found = store.winners(winner_id=winner_id)
+    if not found:
+        raise click.ClickException(f"no winner with id {winner_id}")
+    w = found[0]
+    click.echo(json.dumps({"id": w.id, "gpu": dataclasses.asdict(w.gpu), **entry(w)}, indent=2))
+
+
+@main.command("export")
+@_db_option
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["json"]),
+    default="json",
+    show_default=True,
+    help="json: one readable file of winners per GPU.",
+)
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(file_okay=False, path_type=Path),
+    required=True,
+    help="Folder to write into.",
+)
+@click.option("--gpu", "gpu_name", default=None, help="Only this GPU (its name).")
+@click.option("--family", default=None, help="Only this family.")
+def export_winners(
+    db_url: str | None, fmt: str, output: Path, gpu_name: str | None, family: str | None
+) -> None:
+    """Export Winners so they can move to another machine (`tunegen import`)."""
+    from tunegen.tuning_db import export_documents
+
+    with _store(db_url, readonly=True) as store:
+        documents = export_documents(store, gpu_name=gpu_name, family=family)
+    if not documents:
+        raise click.ClickException("no winners to export")
+    output.mkdir(parents=True, exist_ok=True)
+    for name, document in documents.items():
+        (output / name).write_text(json.dumps(document, indent=1) + "\n")
+        click.echo(f"{output / name}: {len(document['winners'])} winners")
+
+
+@main.command("import")
+@_db_option
+@click.argument(
+    "files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path)
+)
+def import_winners(db_url: str | None, files: tuple[Path, ...]) -> None:
+    """Import Winners from exported JSON files; a faster result replaces a slower one."""
+    from tunegen.tuning_db import import_document
+
+    documents = []
+    for path in files:
+        try:
+            documents.append((path, json.loads(path.read_text())))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise click.ClickException(f"{path}: not readable JSON: {exc}") from None
+    with _store(db_url, readonly=False) as store:
+        for path, document in documents:
+            try:
+                report = import_document(store, document)
+            except ValueError as exc:
+                raise click.ClickException(f"{path}: {exc}; nothing from it was imported") from None
+            click.echo(
+                f"{path}: merged {report.merged}, replaced {report.replaced}, skipped {report.skipped}"
+            )
+
+
+@main.group()
+def db() -> None:
+    """The tuning database itself."""
+
+
+@db.command()
+@_db_option
+def upgrade(db_url: str | None) -> None:
+    """Create the schema, or upgrade it in place to this release's."""
+    with _store(db_url, readonly=False) as store:
+        before, after = store.upgrade()
+        click.echo(f"{store.name}: schema {before or 'none'} -> {after}")
 
 
 if __name__ == "__main__":
