@@ -71,9 +71,9 @@ class Store:
             raise TuningDbError(f"{self.name}: {backend} is not supported; use SQLite or PostgreSQL")
         # Read-only, a database that does not exist yet (or has no schema) is simply empty.
         self.empty = False
-        database = self.url.database or ""
-        if readonly and backend == "sqlite" and database not in ("", ":memory:"):
-            self.empty = not Path(database).expanduser().exists()
+        self.found_revision: str | None = None
+        if readonly and backend == "sqlite" and self._sqlite_path() is not None:
+            self.empty = not self._sqlite_path().exists()
         self.engine = self._create_engine()
         if self.empty:
             return
@@ -85,16 +85,23 @@ class Store:
 
     # -- connection ------------------------------------------------------------------------
 
+    def _sqlite_path(self) -> Path | None:
+        """The file behind a SQLite URL (None in memory), also for `file:` URIs."""
+        database = self.url.database or ""
+        if self.url.query.get("uri") in ("true", "1"):
+            database = database.removeprefix("file:")
+        return None if database in ("", ":memory:") else Path(database).expanduser()
+
     def _create_engine(self) -> Engine:
         if self.url.get_backend_name() == "postgresql":
             timeout_ms = int(self.lock_timeout * 1000)
             return sa.create_engine(
                 self.url, pool_pre_ping=True, connect_args={"options": f"-c lock_timeout={timeout_ms}"}
             )
-        database = self.url.database or ""
-        memory = database in ("", ":memory:")
-        if not memory and not self.readonly:
-            Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        path = self._sqlite_path()
+        memory = path is None
+        if path is not None and not self.readonly:
+            path.parent.mkdir(parents=True, exist_ok=True)
         engine = sa.create_engine(
             self.url,
             connect_args={"timeout": self.lock_timeout, "check_same_thread": False},
@@ -181,6 +188,7 @@ class Store:
             current = MigrationContext.configure(
                 conn, opts={"version_table": VERSION_TABLE}
             ).get_current_revision()
+            self.found_revision = current
             present = set(sa.inspect(conn).get_table_names())
             head = head_revision()
             if current is None:
@@ -214,8 +222,9 @@ class Store:
             command.upgrade(_alembic_config(conn), "head")
 
     def upgrade(self) -> tuple[str | None, str]:
-        """Bring the schema to this release's head; returns (before, after). Opening already does it."""
-        before = self.revision()
+        """Bring the schema to this release's head; returns the revision found when the store was
+        opened and the one it is at now (opening a writable store already upgrades it)."""
+        before = self.found_revision
         self._check_schema(upgrade=True)
         return before, head_revision()
 
