@@ -19,12 +19,11 @@ import triton
 import tunegen
 from tunegen import peers
 from tunegen.gpu import cuda_gpu
-from tunegen.problem import Problem
-from tunegen.reference import sampled_error
+from tunegen.problem import DTYPE_NAMES, Problem
+from tunegen.reference import TOLERANCE, sampled_error
 from tunegen.timing import median_ms
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-ERROR_LIMIT = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +149,7 @@ def bench_prefill(
                     out = fn(q, k, v)
                     torch.cuda.synchronize()
                     err = sampled_error(out, q, k, v, causal=shape.causal, scale=scale, generator=gen)
-                    if not err <= ERROR_LIMIT[torch_dtype]:
+                    if not err <= TOLERANCE[DTYPE_NAMES[torch_dtype]]:
                         note = f"wrong: relative error {err:.2e}"
                     else:
                         ms = median_ms(lambda fn=fn, q=q, k=k, v=v: fn(q, k, v))

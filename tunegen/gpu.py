@@ -71,3 +71,24 @@ def gpu_of(device: torch.device) -> Gpu:
     if device.type == "cuda":
         return cuda_gpu(device.index if device.index is not None else torch.cuda.current_device())
     return interpreter_gpu()
+
+
+@functools.cache
+def driver_version() -> str:
+    """The NVIDIA driver's version, from nvidia-smi where it is installed (else empty)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return ""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out.strip().splitlines()[0] if out.strip() else ""

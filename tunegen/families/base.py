@@ -40,6 +40,14 @@ class Family(Protocol):
         """Raise ValueError if `variant` cannot run `problem` on `gpu`."""
         ...
 
+    def search_space(self, problem: Problem, gpu: Gpu) -> dict[str, list]:
+        """The tuner's knobs and their candidate values."""
+        ...
+
+    def constraint(self, variant: Variant, problem: Problem, gpu: Gpu) -> str | None:
+        """Why `variant` should not be compiled for `problem` on `gpu` (None if it should)."""
+        ...
+
 
 def build(family: Family, variant: Variant, problem: Problem, gpu: Gpu) -> Kernel:
     """Check, render and import one Variant of `family` for `problem` on `gpu`."""

@@ -94,6 +94,58 @@ class PrefillFamily:
                     f"{gpu.name} has {gpu.capability}"
                 )
 
+    def search_space(self, problem: Problem, gpu: Gpu) -> dict[str, list]:
+        """The knobs the tuner searches and their values for this Problem on this Gpu.
+
+        Knobs that cannot matter are pinned: the causal program order only for causal
+        Problems, tensor descriptors only where the inputs and the GPU allow them.
+        """
+        if gpu.arch == "interpreter":
+            tiles, warps, stages = [16, 32], [4], [1]
+        else:
+            tiles, warps, stages = [32, 64, 128], [4, 8], [2, 3, 4]
+        loads = ["ptr"]
+        if (
+            problem.aligned
+            and problem.dtype != "float32"
+            and (gpu.arch == "interpreter" or gpu.capability >= (9, 0))
+        ):
+            loads.append("desc")
+        return {
+            "block_m": [t for t in tiles if t >= 16] if gpu.arch == "interpreter" else [64, 128],
+            "block_n": tiles,
+            "num_warps": warps,
+            "num_stages": stages,
+            "causal_split": [True],
+            "load": loads,
+            "order": list(ORDERS) if problem.causal else ["m_inner"],
+            "reverse_m": [False, True] if problem.causal else [False],
+        }
+
+    def constraint(self, variant: PrefillVariant, problem: Problem, gpu: Gpu) -> str | None:
+        """Why `variant` cannot run well on `gpu`, judged before compiling; None if it may.
+
+        Shared memory: the Q tile plus `num_stages` buffers of K and V tiles (matches what
+        Triton 3.6 allocated on the H100 within a few KB). Registers: the float32 accumulator and
+        score tiles spread over the threads; past 192 per thread the kernel spills.
+        """
+        try:
+            self.check_variant(variant, problem, gpu)
+        except ValueError as exc:
+            return str(exc)
+        if gpu.arch == "interpreter":
+            return None
+        d = block_d(problem.head_dim)
+        size = 4 if problem.dtype == "float32" else 2
+        smem = variant.block_m * d * size + variant.num_stages * 2 * variant.block_n * d * size
+        if smem > gpu.smem_per_block:
+            return f"shared memory: needs about {smem} bytes, {gpu.name} has {gpu.smem_per_block} per block"
+        threads = variant.num_warps * 32
+        registers = (variant.block_m * d + variant.block_m * variant.block_n) // threads
+        if registers > 192:
+            return f"registers: about {registers} per thread for the accumulator and scores (over 192 spills)"
+        return None
+
     def default_variant(self, problem: Problem, gpu: Gpu) -> PrefillVariant:
         """Hand-picked per GPU class and head dim until the dispatcher serves tuned Winners.
 

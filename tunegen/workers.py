@@ -1,0 +1,107 @@
+"""Worker processes for tuning: each runs one task at a time and is replaced when it dies or
+overruns its time limit, so a kernel that crashes or hangs the GPU context costs one trial,
+not the search."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from tunegen.render import interpreting
+
+Task = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+def _serve(conn: Any) -> None:
+    while True:
+        message = conn.recv()
+        if message is None:
+            return
+        task, payload = message
+        try:
+            result = task(payload)
+        except BaseException as exc:  # report, and keep serving
+            result = {"status": "error", "reason": f"{type(exc).__name__}: {exc}"}
+        conn.send(result)
+
+
+class Worker:
+    """One spawned child process; Triton in it interprets kernels or compiles them, as asked."""
+
+    def __init__(self, *, interpret: bool) -> None:
+        self.interpret = interpret
+        self._start()
+
+    def _start(self) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        # The child reads TRITON_INTERPRET when it first imports Triton.
+        with interpreting(self.interpret):
+            self._process = context.Process(target=_serve, args=(child,), daemon=True)
+            self._process.start()
+        child.close()
+
+    def call(self, task: Task, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """Run `task(payload)` in the child; a death or overrun becomes a failed result."""
+        try:
+            self._conn.send((task, payload))
+            if self._conn.poll(timeout):
+                return self._conn.recv()
+            reason = f"timed out after {timeout:g} s"
+        except (EOFError, OSError, BrokenPipeError):
+            reason = "the worker process died"
+        self._process.join(0.1)
+        code = self._process.exitcode
+        if code is not None and code != 0:
+            reason += f" (exit code {code})"
+        self._restart()
+        return {"status": "error", "reason": reason}
+
+    def _restart(self) -> None:
+        self._process.kill()
+        self._process.join()
+        self._conn.close()
+        self._start()
+
+    def close(self) -> None:
+        try:
+            self._conn.send(None)
+            self._process.join(5)
+        except (OSError, BrokenPipeError):
+            pass
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()
+        self._conn.close()
+
+
+class WorkerPool:
+    """Several Workers for work that may run side by side (compiling)."""
+
+    def __init__(self, size: int, *, interpret: bool) -> None:
+        self._workers: queue.Queue[Worker] = queue.Queue()
+        self._all = [Worker(interpret=interpret) for _ in range(max(1, size))]
+        for worker in self._all:
+            self._workers.put(worker)
+        self._lock = threading.Lock()
+
+    def map(self, task: Task, payloads: Sequence[dict[str, Any]], timeout: float) -> list[dict[str, Any]]:
+        """Results in order; each payload runs on whichever worker is free."""
+
+        def run(payload: dict[str, Any]) -> dict[str, Any]:
+            worker = self._workers.get()
+            try:
+                return worker.call(task, payload, timeout)
+            finally:
+                self._workers.put(worker)
+
+        with concurrent.futures.ThreadPoolExecutor(len(self._all)) as threads:
+            return list(threads.map(run, payloads))
+
+    def close(self) -> None:
+        for worker in self._all:
+            worker.close()
