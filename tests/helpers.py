@@ -50,7 +50,7 @@ def problem_for(
         causal=causal,
         num_heads_q=q.shape[-3] if not varlen else q.shape[1],
         num_heads_kv=k.shape[-3] if not varlen else k.shape[1],
-        batch=bucket(batch),
+        batch=bucket(batch, floor=1),
         seqlen_q=bucket(sq),
         seqlen_k=bucket(sk),
         varlen=varlen,

@@ -73,7 +73,7 @@ def problems(
                         causal=c,
                         num_heads_q=model.heads,
                         num_heads_kv=model.kv_heads,
-                        batch=bucket(b),
+                        batch=bucket(b, floor=1),
                         seqlen_q=bucket(n),
                         seqlen_k=bucket(n),
                     )

@@ -19,11 +19,12 @@ DTYPE_NAMES: dict[torch.dtype, str] = {
 }
 
 
-def bucket(n: int) -> int:
-    """The size bucket of `n`: the next power of two, at least 16 (0 stays 0)."""
+def bucket(n: int, floor: int = 16) -> int:
+    """The size bucket of `n`: the next power of two, at least `floor` (16 for sequence lengths,
+    1 for batch sizes); 0 stays 0."""
     if n <= 0:
         return 0
-    return max(16, 1 << (n - 1).bit_length())
+    return max(floor, 1 << (n - 1).bit_length())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -62,6 +62,14 @@ class Outcome:
     wall_s: float
 
 
+class _Grid(optuna.samplers.GridSampler):
+    """Optuna's grid without its own stop: Study.stop only works inside optimize(), and the
+    tuner asks and tells, stopping by itself once every grid point was asked."""
+
+    def after_trial(self, study: optuna.Study, trial: Any, state: Any, values: Any) -> None:
+        return None
+
+
 def make_sampler(name: str, seed: int, space: dict[str, list]) -> optuna.samplers.BaseSampler:
     """The Optuna sampler called `name`, seeded."""
     if name == "tpe":
@@ -69,7 +77,7 @@ def make_sampler(name: str, seed: int, space: dict[str, list]) -> optuna.sampler
     if name == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     if name == "grid":
-        return optuna.samplers.GridSampler(space, seed=seed)
+        return _Grid(space, seed=seed)
     if name == "cmaes":
         # CMA-ES has no categorical model: Optuna hands those knobs to its independent sampler.
         return optuna.samplers.CmaEsSampler(
