@@ -4,7 +4,12 @@ same space, in at most 30% of the grid's trials? And how long does a tune take?
 For each Problem, an exhaustive grid run and a TPE run go to separate databases (neither sees
 the other's failures or winners). Writes JSON with every trial, and prints a table.
 
-    python benchmarks/search_quality.py -o results.json [--problems d64,d128,d128c]
+    python benchmarks/search_quality.py -o results.json [--problems d64,d128,d128c] [--grid-from old.json]
+
+The two winners are then timed again back to back in one process (alternating, longer runs):
+two separate timings of the same kernel can differ by a few percent, so only a same-run
+comparison says whether TPE's winner is within 3% of the grid's. `--grid-from` reuses the
+exhaustive grid of an earlier run of this script (its best Variant is re-timed here).
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ import torch
 from tunegen.families import get
 from tunegen.gpu import cuda_gpu
 from tunegen.problem import Problem
+from tunegen.trial import evaluate_task
 from tunegen.tuner import TuneOptions, Tuner, study_name
+from tunegen.workers import Worker
 
 PROBLEMS = {
     "d64": Problem("prefill", "bfloat16", 64, False, 32, 32, 4, 4096, 4096),
@@ -46,13 +53,40 @@ def trials_of(url: str, name: str) -> list[dict]:
     return [{"number": t.number, "state": t.state.name, "ms": t.value, **t.user_attrs} for t in study.trials]
 
 
+def same_run(problem: Problem, a: dict, b: dict, rounds: int = 3) -> tuple[float, float]:
+    """Median times of Variants `a` and `b`, alternating in one worker process."""
+    worker = Worker(interpret=False)
+    times: dict[int, list[float]] = {0: [], 1: []}
+    try:
+        for _ in range(rounds):
+            for i, variant in enumerate((a, b)):
+                payload = {
+                    "problem": problem.as_dict(),
+                    "variant": json.dumps(variant, sort_keys=True),
+                    "backend": "cuda",
+                    "seed": 1,
+                    "rep_ms": 400.0,
+                }
+                result = worker.call(evaluate_task, payload, 300)
+                assert result["status"] == "ok", result
+                times[i].append(result["ms"])
+    finally:
+        worker.close()
+    return sorted(times[0])[rounds // 2], sorted(times[1])[rounds // 2]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--problems", default="d64,d128,d128c")
     ap.add_argument("--fraction", type=float, default=0.3)
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
+    ap.add_argument("--grid-from", default=None, help="JSON files of earlier runs whose grid rows to reuse")
     ap.add_argument("-o", "--output", required=True)
     args = ap.parse_args()
+    earlier = {}
+    for path in args.grid_from.split(",") if args.grid_from else []:
+        with open(path) as fh:
+            earlier.update({r["problem"]: r for r in json.load(fh)["rows"]})
     gpu = cuda_gpu(torch.cuda.current_device())
     folder = tempfile.mkdtemp(prefix="search-quality-")
     report = []
@@ -61,7 +95,12 @@ def main() -> None:
         grid_n = valid_grid(problem, gpu)
         budget = math.floor(args.fraction * grid_n)
         row = {"problem": key, **problem.as_dict(), "grid_variants": grid_n, "tpe_budget": budget}
-        for sampler, trials in (("grid", grid_n), ("tpe", budget)):
+        runs = [("tpe", budget)]
+        if key in earlier:
+            row["grid"] = {**earlier[key]["grid"], "reused_from": args.grid_from}
+        else:
+            runs.insert(0, ("grid", grid_n))
+        for sampler, trials in runs:
             url = f"sqlite:///{folder}/{key}-{sampler}.db"
             options = TuneOptions(trials=trials, sampler=sampler, seed=0, workers=args.workers, url=url)
             with Tuner(gpu, options) as tuner:
@@ -85,6 +124,13 @@ def main() -> None:
                 flush=True,
             )
         row["tpe_over_grid"] = row["tpe"]["ms"] / row["grid"]["ms"]
+        grid_ms, tpe_ms = same_run(problem, row["grid"]["variant"], row["tpe"]["variant"])
+        row["same_run"] = {
+            "grid_ms": grid_ms,
+            "tpe_ms": tpe_ms,
+            "tpe_over_grid": tpe_ms / grid_ms,
+            "same_variant": row["grid"]["variant"] == row["tpe"]["variant"],
+        }
         report.append(row)
         with open(args.output, "w") as fh:
             json.dump(
@@ -93,13 +139,15 @@ def main() -> None:
                 indent=1,
             )
     print(
-        f"{'problem':8} {'grid':>6} {'best':>6} {'tpe n':>6} {'tpe':>6} {'tpe/grid':>9} {'found@':>7} "
+        f"{'problem':8} {'grid':>6} {'best':>6} {'tpe n':>6} {'tpe':>6} {'tpe/grid':>9} {'same-run':>9} "
+        f"{'same?':>6} {'found@':>7} "
         f"{'grid s':>7} {'tpe s':>6}"
     )
     for r in report:
         print(
             f"{r['problem']:8} {r['grid_variants']:6d} {r['grid']['tflops']:6.0f} {r['tpe']['evaluated']:6d} "
-            f"{r['tpe']['tflops']:6.0f} {r['tpe_over_grid']:9.3f} {r['tpe']['found_at']!s:>7} "
+            f"{r['tpe']['tflops']:6.0f} {r['tpe_over_grid']:9.3f} {r['same_run']['tpe_over_grid']:9.3f} "
+            f"{r['same_run']['same_variant']!s:>6} {r['tpe']['found_at']!s:>7} "
             f"{r['grid']['wall_s']:7.0f} {r['tpe']['wall_s']:6.0f}"
         )
 
