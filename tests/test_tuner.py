@@ -112,6 +112,11 @@ def test_tune_records_a_verified_interpreter_winner_and_resumes(tmp_path):
         assert w.median_ms == min(first.winner.median_ms, resumed.winner.median_ms)
     study = optuna.load_study(study_name=study_name(GPU, PROBLEM, "tpe"), storage=url)
     assert len([t for t in study.trials if t.user_attrs.get("evaluated")]) == 3
+    default = prefill.FAMILY.default_variant(PROBLEM, GPU)
+    space = prefill.FAMILY.search_space(PROBLEM, GPU)
+    assert study.trials[0].params == {name: getattr(default, name) for name in space}, (
+        "the default goes first"
+    )
 
 
 def test_failed_variants_are_not_retried(tmp_path):

@@ -162,9 +162,6 @@ class Tuner:
         opts = self.options
         family = get(problem.family)
         space = family.search_space(problem, self.gpu)
-        grid_size = 1
-        for values in space.values():
-            grid_size *= len(values)
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         study = optuna.create_study(
             study_name=study_name(self.gpu, problem, opts.sampler),
@@ -174,6 +171,12 @@ class Tuner:
             load_if_exists=True,
         )
         _fail_stale(study)
+        if not study.trials:
+            # The default Variant goes first, so a Winner is never slower than what dispatch
+            # would run untuned.
+            default = family.default_variant(problem, self.gpu).as_dict()
+            if all(default[name] in values for name, values in space.items()):
+                study.enqueue_trial({name: default[name] for name in space})
         problem_dict = problem.as_dict()
         known_failures = self.store.failures(
             self.record, problem.family, problem_dict, self.gpu.triton_version
@@ -190,7 +193,7 @@ class Tuner:
                 break
             if opts.timeout is not None and time.monotonic() - start > opts.timeout:
                 break
-            if opts.sampler == "grid" and len(study.trials) >= grid_size:
+            if isinstance(study.sampler, optuna.samplers.GridSampler) and study.sampler.is_exhausted(study):
                 break
             batch = []
             for _ in range(min(opts.workers, opts.trials - len(done))):
