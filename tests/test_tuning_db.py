@@ -382,3 +382,29 @@ def test_cli_list_show_export_import_upgrade(url, tmp_path):
     (tmp_path / "junk.db").write_bytes(b"junk" * 1000)
     junk = runner.invoke(main, ["list", "--db", f"sqlite:///{tmp_path / 'junk.db'}"])
     assert junk.exit_code != 0 and "not a SQLite database" in junk.output
+
+
+def test_lookups_see_the_users_database_first_then_the_shipped_one(tmp_path, monkeypatch):
+    from tunegen import database
+    from tunegen.gpu import Gpu
+    from tunegen.problem import Problem
+
+    gpu = Gpu("NVIDIA H100 80GB HBM3", (9, 0), 132, 232448, "3.6.0", "2.11.0", "cuda")
+    problem = Problem("prefill", "bfloat16", 128, True, 32, 8, 4, 4096, 4096)
+    record = database.gpu_record(gpu)
+    user_url = f"sqlite:///{tmp_path / 'user.db'}"
+    monkeypatch.setenv("TUNEGEN_DB", user_url)
+    assert database.database_url() == user_url and database.database_url("sqlite://") == "sqlite://"
+    mine = dataclasses.replace(winner(ms=2.0, block_m=64), gpu=record, problem=problem.as_dict())
+    shipped = dataclasses.replace(winner(ms=1.0, block_m=128), gpu=record, problem=problem.as_dict())
+    with Store(f"sqlite:///{tmp_path / 'ship.db'}") as store:
+        store.record_winner(shipped)
+        (doc,) = export_documents(store).values()
+    (tmp_path / "shipped").mkdir()
+    (tmp_path / "shipped" / "h100.json").write_text(json.dumps(doc))
+    monkeypatch.setattr(database, "shipped_store", lambda: load_shipped(tmp_path / "shipped"))
+    assert [w.variant["block_m"] for w in database.winners_for(gpu, problem)] == [128], "no user database yet"
+    assert not (tmp_path / "user.db").exists(), "a lookup never creates the user's database"
+    with Store(user_url) as store:
+        store.record_winner(mine)
+    assert [w.variant["block_m"] for w in database.winners_for(gpu, problem)] == [64, 128]
