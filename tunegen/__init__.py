@@ -5,8 +5,8 @@ out = tunegen.attention(q, k, v, causal=True)            # (batch, heads, seqlen
 out = tunegen.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k)   # packed sequences
 """
 
-from tunegen.api import FallbackError, attention, attention_varlen
+from tunegen.api import FallbackError, attention, attention_varlen, explain
 
 __version__ = "0.1.0"
 
-__all__ = ["FallbackError", "__version__", "attention", "attention_varlen"]
+__all__ = ["FallbackError", "__version__", "attention", "attention_varlen", "explain"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
@@ -63,7 +64,7 @@ def attention(
     checks.check_attention(q, k, v)
     scale = checks.check_scale(scale, q.shape[-1])
     backend = backend_for(q.device, strict)
-    batch, heads, seqlen_q, head_dim = q.shape
+    batch, heads, seqlen_q, _ = q.shape
     if backend == "torch":
         out, lse = attention_reference(
             q, k, v, causal=causal, scale=scale, compute_dtype=_fallback_dtype(q.dtype)
@@ -72,21 +73,45 @@ def attention(
         return (out, lse.float()) if return_lse else out
     out = torch.empty_like(q)
     lse = torch.empty((batch, heads, seqlen_q), device=q.device, dtype=torch.float32) if return_lse else None
-    problem = Problem(
+    dispatch.kernel_for(_problem(q, k, v, out, causal, return_lse), gpu_of(q.device)).launch(
+        q, k, v, out, lse, scale
+    )
+    return (out, lse) if return_lse else out
+
+
+def _problem(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, causal: bool, return_lse: bool
+) -> Problem:
+    return Problem(
         family="prefill",
         dtype=DTYPE_NAMES[q.dtype],
-        head_dim=head_dim,
+        head_dim=q.shape[3],
         causal=bool(causal),
-        num_heads_q=heads,
+        num_heads_q=q.shape[1],
         num_heads_kv=k.shape[1],
-        batch=bucket(batch, floor=1),
-        seqlen_q=bucket(seqlen_q),
+        batch=bucket(q.shape[0], floor=1),
+        seqlen_q=bucket(q.shape[2]),
         seqlen_k=bucket(k.shape[2]),
         return_lse=bool(return_lse),
         aligned=checks.is_aligned16(q, k, v, out),
     )
-    dispatch.kernel_for(problem, gpu_of(q.device)).launch(q, k, v, out, lse, scale)
-    return (out, lse) if return_lse else out
+
+
+def _problem_varlen(q, k, v, out, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, return_lse) -> Problem:
+    return Problem(
+        family="prefill",
+        dtype=DTYPE_NAMES[q.dtype],
+        head_dim=q.shape[-1],
+        causal=bool(causal),
+        num_heads_q=q.shape[1],
+        num_heads_kv=k.shape[1],
+        batch=bucket(cu_seqlens_q.shape[0] - 1, floor=1),
+        seqlen_q=bucket(max_seqlen_q),
+        seqlen_k=bucket(max_seqlen_k),
+        varlen=True,
+        return_lse=bool(return_lse),
+        aligned=checks.is_aligned16(q, k, v, out),
+    )
 
 
 def attention_varlen(
@@ -135,20 +160,72 @@ def attention_varlen(
         return (out, lse.float()) if return_lse else out
     out = torch.empty_like(q)
     lse = torch.empty((q.shape[1], q.shape[0]), device=q.device, dtype=torch.float32) if return_lse else None
-    problem = Problem(
-        family="prefill",
-        dtype=DTYPE_NAMES[q.dtype],
-        head_dim=q.shape[-1],
-        causal=bool(causal),
-        num_heads_q=q.shape[1],
-        num_heads_kv=k.shape[1],
-        batch=bucket(cu_seqlens_q.shape[0] - 1, floor=1),
-        seqlen_q=bucket(max_seqlen_q),
-        seqlen_k=bucket(max_seqlen_k),
-        varlen=True,
-        return_lse=bool(return_lse),
-        aligned=checks.is_aligned16(q, k, v, out),
-    )
+    problem = _problem_varlen(q, k, v, out, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, return_lse)
     kernel = dispatch.kernel_for(problem, gpu_of(q.device))
     kernel.launch(q, k, v, out, lse, scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q)
     return (out, lse) if return_lse else out
+
+
+def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """Which kernel a call with these arguments runs, and why: the Problem, the Gpu, the source
+    ("winner", "nearest" bucket, "default", or "torch" for the PyTorch fallback), the Variant and
+    the Winner's provenance. Takes the arguments of `attention`, or of `attention_varlen` when q
+    is packed (3-D); builds the kernel if this is the first call for the Problem."""
+    varlen = isinstance(q, torch.Tensor) and q.dim() == 3
+    if varlen:
+        names = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+        bound = dict(zip(names, args, strict=False)) | {n: kwargs.pop(n) for n in names if n in kwargs}
+        checks.check_attention_varlen(q, k, v, *(bound.get(n) for n in names), read_lengths=False)
+    else:
+        checks.check_attention(q, k, v)
+    causal, return_lse = bool(kwargs.get("causal", False)), bool(kwargs.get("return_lse", False))
+    checks.check_scale(kwargs.get("scale"), q.shape[-1])
+    backend = backend_for(q.device, kwargs.get("strict"))
+    if varlen:
+        problem = _problem_varlen(
+            q,
+            k,
+            v,
+            q,
+            bound["cu_seqlens_q"],
+            bound["max_seqlen_q"],
+            bound["max_seqlen_k"],
+            causal,
+            return_lse,
+        )
+    else:
+        problem = _problem(q, k, v, q, causal, return_lse)
+    if backend == "torch":
+        return {
+            "problem": problem.as_dict(),
+            "gpu": None,
+            "source": "torch",
+            "variant": None,
+            "winner": None,
+            "reason": f"no Triton kernel runs on {q.device.type} tensors without TRITON_INTERPRET=1",
+        }
+    gpu = gpu_of(q.device)
+    choice = dispatch.choice_for(problem, gpu)
+    winner = None
+    if choice.winner is not None:
+        w = choice.winner
+        winner = {
+            "gpu": w.gpu.name,
+            "median_ms": w.median_ms,
+            "tflops": w.tflops,
+            "rel_err": w.rel_err,
+            "peer": w.peer_name,
+            "peer_ms": w.peer_ms,
+            "triton_version": w.triton_version,
+            "created_at": w.created_at.isoformat(),
+            "problem": w.problem,
+        }
+    return {
+        "problem": problem.as_dict(),
+        "gpu": gpu.name,
+        "source": choice.source,
+        "variant": choice.kernel.variant.as_dict(),
+        "winner": winner,
+        "stale": choice.stale,
+        "reason": choice.reason,
+    }

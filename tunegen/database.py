@@ -39,10 +39,14 @@ def gpu_record(gpu: Gpu, driver: str = "") -> GpuRecord:
     )
 
 
-def winners_for(gpu: Gpu, problem: Problem, url: str | None = None) -> list[WinnerRecord]:
-    """Winners recorded for exactly this Gpu and Problem: the user's database first, then the
-    shipped ones; within each, the newest first."""
+def winners_for(
+    gpu: Gpu, problem: Problem, url: str | None = None, *, same_features: bool = False
+) -> list[WinnerRecord]:
+    """Winners recorded for this Gpu and exactly this Problem (or, with `same_features`, any
+    Problem differing from it only in bucketed sizes): the user's database first, then the
+    shipped winners; within each, the newest first. Never creates the user's database."""
     record = gpu_record(gpu)
+    query: dict = {"features": problem.as_dict()} if same_features else {"problem": problem.as_dict()}
     with open_store(url, readonly=True) as store:
-        found = store.winners(gpu=record, problem=problem.as_dict())
-    return found + shipped_store().winners(gpu=record, problem=problem.as_dict())
+        found = store.winners(gpu=record, **query)
+    return found + shipped_store().winners(gpu=record, **query)

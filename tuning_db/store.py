@@ -371,9 +371,11 @@ class Store:
         family: str | None = None,
         gpu: GpuRecord | None = None,
         problem: dict[str, Any] | None = None,
+        features: dict[str, Any] | None = None,
         winner_id: int | None = None,
     ) -> list[WinnerRecord]:
-        """Winners matching every filter given, newest first."""
+        """Winners matching every filter given, newest first. `features` matches every Problem
+        that differs from it only in its bucketed sizes."""
         if self.empty:
             return []
         query = (
@@ -391,6 +393,8 @@ class Store:
             query = query.where(ProblemRow.family == family)
         if problem is not None:
             query = query.where(ProblemRow.key == canonical(problem))
+        if features is not None:
+            query = query.where(ProblemRow.features == features_key(features))
         if winner_id is not None:
             query = query.where(WinnerRow.id == winner_id)
         with self._read("read winners") as conn, Session(conn) as session:

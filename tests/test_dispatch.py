@@ -1,0 +1,164 @@
+"""Dispatch serves Winners: exact Problem, else the nearest bucket with the same features, else
+the default; once per Problem, then a dict lookup. explain() says which and why."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+
+import pytest
+import torch
+
+import tunegen
+from helpers import REL_TOL, rel_err
+from tunegen import dispatch
+from tunegen.database import gpu_record
+from tunegen.gpu import interpreter_gpu
+from tunegen.reference import attention_reference
+from tunegen.tuning_db import Store, WinnerRecord
+
+
+@pytest.fixture(autouse=True)
+def fresh(tmp_path, monkeypatch):
+    url = f"sqlite:///{tmp_path / 'user.db'}"
+    monkeypatch.setenv("TUNEGEN_DB", url)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    dispatch.forget()
+    yield url
+    dispatch.forget()
+
+
+def qkv(n=40, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 4, n, 32, generator=gen).half()
+    k = torch.randn(2, 2, n, 32, generator=gen).half()
+    v = torch.randn(2, 2, n, 32, generator=gen).half()
+    return q, k, v
+
+
+def record(url, problem, variant, triton_version=None, ms=1.0):
+    gpu = interpreter_gpu()
+    with Store(url) as store:
+        store.record_winner(
+            WinnerRecord(
+                gpu=gpu_record(gpu),
+                family="prefill",
+                problem=problem,
+                variant=variant,
+                median_ms=ms,
+                rel_err=1e-3,
+                triton_version=triton_version or gpu.triton_version,
+                torch_version="2.13",
+                template_hash="h",
+            )
+        )
+
+
+TUNED = {
+    "block_m": 16,
+    "block_n": 16,
+    "num_warps": 4,
+    "num_stages": 1,
+    "causal_split": False,
+    "load": "desc",
+    "order": "head_inner",
+    "reverse_m": True,
+}
+
+
+def test_default_without_winners():
+    info = tunegen.explain(*qkv(), causal=True)
+    assert info["source"] == "default" and info["winner"] is None and "default" in info["reason"]
+    assert info["gpu"] == "triton-interpreter" and info["problem"]["causal"] is True
+
+
+def test_an_exact_winner_is_served_and_computes_the_same_function(fresh):
+    q, k, v = qkv()
+    problem = tunegen.explain(q, k, v, causal=True)["problem"]
+    dispatch.forget()
+    record(fresh, problem, TUNED)
+    info = tunegen.explain(q, k, v, causal=True)
+    assert info["source"] == "winner" and info["variant"] == TUNED and not info["stale"]
+    out = tunegen.attention(q, k, v, causal=True)
+    ref, _ = attention_reference(q, k, v, causal=True, scale=32**-0.5)
+    assert rel_err(out, ref) < REL_TOL[torch.float16]
+
+
+def test_the_nearest_bucket_with_the_same_features(fresh):
+    q, k, v = qkv(n=40)  # bucket 64
+    problem = tunegen.explain(q, k, v)["problem"]
+    dispatch.forget()
+    record(fresh, {**problem, "seqlen_q": 256, "seqlen_k": 256}, TUNED)
+    record(fresh, {**problem, "seqlen_q": 32, "seqlen_k": 32}, {**TUNED, "block_n": 32})
+    record(fresh, {**problem, "causal": True}, {**TUNED, "block_m": 32})  # other features: never used
+    info = tunegen.explain(q, k, v)
+    assert (
+        info["source"] == "nearest" and info["variant"]["block_n"] == 32 and info["variant"]["block_m"] == 16
+    )
+    assert "2x32x32" in info["reason"]
+
+
+def test_a_winner_from_another_triton_is_used_with_one_warning(fresh):
+    q, k, v = qkv()
+    problem = tunegen.explain(q, k, v)["problem"]
+    dispatch.forget()
+    record(fresh, problem, TUNED, triton_version="2.9.9")
+    with pytest.warns(dispatch.StaleWinnerWarning, match="tuned under Triton 2.9.9"):
+        out = tunegen.attention(q, k, v)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dispatch.StaleWinnerWarning)
+        tunegen.attention(q, k, v)  # the warning came once
+    info = tunegen.explain(q, k, v)
+    assert info["stale"] and info["source"] == "winner" and "stale" in info["reason"]
+    ref, _ = attention_reference(q, k, v, causal=False, scale=32**-0.5)
+    assert rel_err(out, ref) < REL_TOL[torch.float16]
+
+
+def test_a_winner_this_release_cannot_take_is_skipped(fresh):
+    q, k, v = qkv()
+    problem = tunegen.explain(q, k, v)["problem"]
+    dispatch.forget()
+    record(fresh, problem, {**TUNED, "warp_specialize": True})
+    assert tunegen.explain(q, k, v)["source"] == "default"
+
+
+def test_an_unusable_database_falls_back_to_defaults_loudly(tmp_path, monkeypatch):
+    (tmp_path / "junk.db").write_bytes(b"junk" * 1000)
+    monkeypatch.setenv("TUNEGEN_DB", f"sqlite:///{tmp_path / 'junk.db'}")
+    with pytest.warns(UserWarning, match="tuned winners unavailable"):
+        info = tunegen.explain(*qkv())
+    assert info["source"] == "default" and "database unavailable" in info["reason"]
+
+
+def test_the_database_is_read_once_per_problem(monkeypatch, caplog):
+    calls = []
+    real = dispatch.winners_for
+    monkeypatch.setattr(dispatch, "winners_for", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, v = qkv()
+    with caplog.at_level(logging.INFO, logger="tunegen"):
+        for _ in range(3):
+            tunegen.attention(q, k, v)
+    assert len(calls) == 2, "one exact and one nearest-bucket lookup, on the first call only"
+    assert sum("tunegen dispatch" in r.message for r in caplog.records) == 1
+
+
+def test_explain_takes_varlen_arguments_and_the_fallback():
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in qkv())
+    cu = torch.tensor([0, 15, 40], dtype=torch.int32)
+    info = tunegen.explain(q, k, v, cu, cu, 25, 25, causal=True)
+    assert info["problem"]["varlen"] is True and info["source"] == "default"
+    with pytest.raises(ValueError, match="cu_seqlens_k"):
+        tunegen.explain(q, k, v, cu, cu[:2], 25, 25)
+
+
+def test_explain_reports_the_torch_fallback(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert tunegen.explain(*qkv())["source"] == "torch"
+
+
+def test_choices_are_dataclasses():
+    q, k, v = qkv()
+    tunegen.attention(q, k, v)
+    (choice,) = dispatch._CHOICES.values()
+    assert dataclasses.is_dataclass(choice) and choice.kernel.variant.family == "prefill"
