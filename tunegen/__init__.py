@@ -5,6 +5,7 @@ out = tunegen.attention(q, k, v, causal=True)            # (batch, heads, seqlen
 out = tunegen.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k)   # packed sequences
 """
 
+import tunegen.ops  # noqa: F401  (registers torch.ops.tunegen.*)
 from tunegen.api import FallbackError, attention, attention_varlen, explain
 
 __version__ = "0.1.0"

@@ -42,7 +42,7 @@ def _fallback_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype != torch.float64 else torch.float64
 
 
-def attention(
+def attention_eager(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -52,15 +52,7 @@ def attention(
     return_lse: bool = False,
     strict: bool | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Scaled dot-product attention over (batch, heads, seqlen, head_dim) tensors.
-
-    The layout and meaning of `torch.nn.functional.scaled_dot_product_attention`; k and v may
-    have fewer heads than q (GQA/MQA, the query head count a multiple of theirs). `causal`
-    aligns the mask bottom-right when the lengths differ, as FlashAttention does. `scale`
-    defaults to 1/sqrt(head_dim). With `return_lse`, also returns the natural-log
-    log-sum-exp (batch, heads, seqlen_q) in float32. `strict` (default: TUNEGEN_STRICT)
-    makes any path other than a Triton kernel an error.
-    """
+    """The eager body of `attention`: checks, dispatch, launch."""
     checks.check_attention(q, k, v)
     scale = checks.check_scale(scale, q.shape[-1])
     backend = backend_for(q.device, strict)
@@ -114,7 +106,7 @@ def _problem_varlen(q, k, v, out, cu_seqlens_q, max_seqlen_q, max_seqlen_k, caus
     )
 
 
-def attention_varlen(
+def attention_varlen_eager(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -128,13 +120,7 @@ def attention_varlen(
     return_lse: bool = False,
     strict: bool | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Attention over packed (total_tokens, heads, head_dim) sequences, as `flash_attn_varlen_func`.
-
-    `cu_seqlens_q`/`cu_seqlens_k` are int32 offsets (batch + 1) of each sequence in the packed
-    tensors; `max_seqlen_q`/`max_seqlen_k` bound their lengths. The offsets are read once to be
-    checked (a device-to-host copy on GPU), except while a CUDA graph is being captured. With
-    `return_lse`, also returns the log-sum-exp (heads, total_q) in float32.
-    """
+    """The eager body of `attention_varlen`: checks, dispatch, launch."""
     capturing = (
         q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if isinstance(q, torch.Tensor)
@@ -229,3 +215,86 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwa
         "stale": choice.stale,
         "reason": choice.reason,
     }
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    return_lse: bool = False,
+    strict: bool | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Scaled dot-product attention over (batch, heads, seqlen, head_dim) tensors.
+
+    The layout and meaning of `torch.nn.functional.scaled_dot_product_attention`; k and v may
+    have fewer heads than q (GQA/MQA, the query head count a multiple of theirs). `causal`
+    aligns the mask bottom-right when the lengths differ, as FlashAttention does. `scale`
+    defaults to 1/sqrt(head_dim). With `return_lse`, also returns the natural-log
+    log-sum-exp (batch, heads, seqlen_q) in float32. `strict` (default: TUNEGEN_STRICT)
+    makes any path other than a Triton kernel an error. Under torch.compile the call is the
+    custom op `torch.ops.tunegen.attention`.
+    """
+    if torch.compiler.is_compiling():
+        checks.check_attention(q, k, v)
+        resolved = checks.check_scale(scale, q.shape[-1])
+        out, lse = torch.ops.tunegen.attention(q, k, v, bool(causal), resolved, bool(return_lse))
+        return (out, lse) if return_lse else out
+    return attention_eager(q, k, v, causal=causal, scale=scale, return_lse=return_lse, strict=strict)
+
+
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    return_lse: bool = False,
+    strict: bool | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention over packed (total_tokens, heads, head_dim) sequences, as `flash_attn_varlen_func`.
+
+    `cu_seqlens_q`/`cu_seqlens_k` are int32 offsets (batch + 1) of each sequence in the packed
+    tensors; `max_seqlen_q`/`max_seqlen_k` bound their lengths. The offsets are read once to be
+    checked (a device-to-host copy on GPU), except while a CUDA graph is being captured. With
+    `return_lse`, also returns the log-sum-exp (heads, total_q) in float32. Under torch.compile
+    the call is the custom op `torch.ops.tunegen.attention_varlen`.
+    """
+    if torch.compiler.is_compiling():
+        checks.check_attention_varlen(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, read_lengths=False
+        )
+        resolved = checks.check_scale(scale, q.shape[-1])
+        out, lse = torch.ops.tunegen.attention_varlen(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            bool(causal),
+            resolved,
+            bool(return_lse),
+        )
+        return (out, lse) if return_lse else out
+    return attention_varlen_eager(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        causal=causal,
+        scale=scale,
+        return_lse=return_lse,
+        strict=strict,
+    )
