@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import REL_TOL, rel_err
 
 import tunegen
+from helpers import REL_TOL, rel_err
 from tunegen.reference import attention_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
