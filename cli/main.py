@@ -373,6 +373,17 @@ def tune(
     console.print(table)
 
 
+@main.command()
+@_db_option
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+def doctor(db_url: str | None, fmt: str) -> None:
+    """The GPU, versions, database, winners for this GPU, stale ones, and dispatch's fallbacks."""
+    from tunegen.doctor import render_text, report
+
+    result = report(db_url)
+    click.echo(json.dumps(result, indent=1) if fmt == "json" else render_text(result))
+
+
 @main.command("list")
 @_db_option
 @click.option("--gpu", "gpu_name", default=None, help="Only this GPU (its name).")
