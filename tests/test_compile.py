@@ -5,7 +5,7 @@ such as non-constexpr globals that only the compiler rejects."""
 from __future__ import annotations
 
 from tunegen.compiler import CompileJob, compile_many
-from tunegen.families import prefill
+from tunegen.families import decode, prefill
 from tunegen.gpu import Gpu
 from tunegen.problem import Problem
 from tunegen.render import render
@@ -38,6 +38,26 @@ def test_default_variants_compile_and_oversized_ones_are_caught():
                 "prefill", dtype, d, causal, 16, 4, 4, 4096, 4096, varlen=varlen, return_lse=lse
             )
             jobs.append(_job(gpu, problem))
+            limits.append(gpu.smem_per_block)
+    for gpu in TARGETS.values():
+        for paged, splits, lse in ((False, 1, True), (True, 4, True), (True, 1, False), (False, 8, False)):
+            problem = Problem(
+                "decode",
+                "bfloat16",
+                128,
+                True,
+                32,
+                8,
+                16,
+                2,
+                4096,
+                paged=paged,
+                page_size=64 if paged else 0,
+                return_lse=lse,
+            )
+            variant = decode.DecodeVariant(block_n=64, num_splits=splits, num_warps=4, num_stages=2)
+            rendered = render(decode.FAMILY.template, "decode", variant, decode.FAMILY.features(problem, gpu))
+            jobs.append(CompileJob(rendered, "bfloat16", gpu.capability))
             limits.append(gpu.smem_per_block)
     oversized = prefill.PrefillVariant(block_m=128, block_n=128, num_warps=8, num_stages=2)
     jobs.append(

@@ -13,7 +13,8 @@ from tunegen.problem import DTYPE_NAMES
 MAX_HEAD_DIM = 256
 
 
-def _tensor(name: str, t: object, rank: int, layout: str) -> torch.Tensor:
+def tensor_arg(name: str, t: object, rank: int, layout: str) -> torch.Tensor:
+    """`t` if it is a non-empty floating tensor of `rank` dims with a unit last stride."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor of shape {layout}, got {type(t).__name__}")
     if t.dim() != rank:
@@ -30,8 +31,9 @@ def _tensor(name: str, t: object, rank: int, layout: str) -> torch.Tensor:
     return t
 
 
-def _same(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    for name, t in (("k", k), ("v", v)):
+def same_as_q(q: torch.Tensor, others: dict[str, torch.Tensor]) -> None:
+    """Each named tensor has q's device, dtype and head_dim; head_dim is at most 256."""
+    for name, t in others.items():
         if t.device != q.device:
             raise ValueError(f"{name}: expected device {q.device} like q, got {t.device}")
         if t.dtype != q.dtype:
@@ -42,12 +44,13 @@ def _same(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"q: head_dim must be at most {MAX_HEAD_DIM}, got {q.shape[-1]}")
 
 
-def _heads(hq: int, hk: int, hv: int) -> None:
+def heads(hq: int, hk: int, hv: int, *, k_name: str = "k", v_name: str = "v") -> None:
+    """Values have as many heads as keys, and query heads are a multiple of them (GQA)."""
     if hv != hk:
-        raise ValueError(f"v: expected {hk} heads like k, got {hv}")
+        raise ValueError(f"{v_name}: expected {hk} heads like {k_name}, got {hv}")
     if hq % hk != 0:
         raise ValueError(
-            f"k: the number of query heads ({hq}) must be a multiple of the number of "
+            f"{k_name}: the number of query heads ({hq}) must be a multiple of the number of "
             f"key/value heads, got {hk}"
         )
 
@@ -55,14 +58,14 @@ def _heads(hq: int, hk: int, hv: int) -> None:
 def check_attention(q: object, k: object, v: object) -> None:
     """Check (batch, heads, seqlen, head_dim) inputs in scaled_dot_product_attention's layout."""
     layout = "(batch, heads, seqlen, head_dim)"
-    q, k, v = (_tensor(n, t, 4, layout) for n, t in (("q", q), ("k", k), ("v", v)))
-    _same(q, k, v)
+    q, k, v = (tensor_arg(n, t, 4, layout) for n, t in (("q", q), ("k", k), ("v", v)))
+    same_as_q(q, {"k": k, "v": v})
     for name, t in (("k", k), ("v", v)):
         if t.shape[0] != q.shape[0]:
             raise ValueError(f"{name}: expected batch {q.shape[0]} like q, got {t.shape[0]}")
     if v.shape[2] != k.shape[2]:
         raise ValueError(f"v: expected seqlen {k.shape[2]} like k, got {v.shape[2]}")
-    _heads(q.shape[1], k.shape[1], v.shape[1])
+    heads(q.shape[1], k.shape[1], v.shape[1])
 
 
 def check_attention_varlen(
@@ -82,11 +85,11 @@ def check_attention_varlen(
     decrease, end at the token count and fit the stated maxima (a device-to-host copy on GPU).
     """
     layout = "(total_tokens, heads, head_dim)"
-    q, k, v = (_tensor(n, t, 3, layout) for n, t in (("q", q), ("k", k), ("v", v)))
-    _same(q, k, v)
+    q, k, v = (tensor_arg(n, t, 3, layout) for n, t in (("q", q), ("k", k), ("v", v)))
+    same_as_q(q, {"k": k, "v": v})
     if v.shape[0] != k.shape[0]:
         raise ValueError(f"v: expected {k.shape[0]} tokens like k, got {v.shape[0]}")
-    _heads(q.shape[1], k.shape[1], v.shape[1])
+    heads(q.shape[1], k.shape[1], v.shape[1])
     cus = []
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype != torch.int32:

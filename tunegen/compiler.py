@@ -47,11 +47,11 @@ def compile_for(job: CompileJob) -> CompileReport:
         # which is what lets Triton pipeline the loads (and what sizes shared memory).
         aligned = [
             (i,)
-            for i, name in enumerate(module.attn_fwd.arg_names)
+            for i, name in enumerate(module.KERNEL.arg_names)
             if name.startswith("stride_") or types[name].startswith("*")
         ]
         attrs = {index: [["tt.divisibility", 16]] for index in aligned}
-        source = ASTSource(module.attn_fwd, types, constexprs=constexprs, attrs=attrs)
+        source = ASTSource(module.KERNEL, types, constexprs=constexprs, attrs=attrs)
         arch = job.capability[0] * 10 + job.capability[1]
         options = {"num_warps": module.NUM_WARPS, "num_stages": module.NUM_STAGES}
         compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)

@@ -42,6 +42,7 @@ class Problem:
     seqlen_k: int
     varlen: bool = False
     paged: bool = False
+    page_size: int = 0
     fp8: bool = False
     return_lse: bool = False
     aligned: bool = True

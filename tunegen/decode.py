@@ -1,0 +1,193 @@
+"""Decode attention over a KV cache, in FlashAttention's `flash_attn_with_kvcache` conventions."""
+
+from __future__ import annotations
+
+import torch
+
+from tunegen import checks, dispatch
+from tunegen.api import backend_for
+from tunegen.gpu import gpu_of
+from tunegen.problem import DTYPE_NAMES, Problem, bucket
+from tunegen.reference import attention_reference
+
+MAX_QUERY_TOKENS = 16
+
+
+def _int32(name: str, t: object, rank: int, what: str, device: torch.device) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or t.dim() != rank or t.dtype != torch.int32:
+        got = (
+            f"{t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        )
+        raise ValueError(f"{name}: expected a {rank}-D int32 tensor {what}, got {got}")
+    if t.device != device:
+        raise ValueError(f"{name}: expected device {device} like q, got {t.device}")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name}: expected a unit last stride; call .contiguous() on it")
+    return t
+
+
+def check_decode(q, k_cache, v_cache, cache_seqlens, k, v, block_table, *, read_lengths: bool) -> None:
+    """Check decode inputs; with `read_lengths`, also that the lengths and pages fit the cache."""
+    q = checks.tensor_arg("q", q, 4, "(batch, nq, heads, head_dim)")
+    layout = (
+        "(pages, page_size, kv_heads, head_dim)"
+        if block_table is not None
+        else "(batch, slots, kv_heads, head_dim)"
+    )
+    k_cache = checks.tensor_arg("k_cache", k_cache, 4, layout)
+    v_cache = checks.tensor_arg("v_cache", v_cache, 4, layout)
+    checks.same_as_q(q, {"k_cache": k_cache, "v_cache": v_cache})
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"v_cache: expected shape {tuple(k_cache.shape)} like k_cache, got {tuple(v_cache.shape)}"
+        )
+    checks.heads(q.shape[2], k_cache.shape[2], v_cache.shape[2], k_name="k_cache", v_name="v_cache")
+    batch, nq = q.shape[0], q.shape[1]
+    if nq > MAX_QUERY_TOKENS:
+        raise ValueError(
+            f"q: decode takes at most {MAX_QUERY_TOKENS} query tokens, got {nq}; use tunegen.attention"
+        )
+    seqlens = _int32("cache_seqlens", cache_seqlens, 1, f"of {batch} lengths", q.device)
+    if seqlens.shape[0] != batch:
+        raise ValueError(
+            f"cache_seqlens: expected {batch} lengths (one per sequence), got {seqlens.shape[0]}"
+        )
+    if block_table is None:
+        if k_cache.shape[0] != batch:
+            raise ValueError(f"k_cache: expected batch {batch} like q, got {k_cache.shape[0]}")
+        capacity = k_cache.shape[1]
+    else:
+        table = _int32("block_table", block_table, 2, "(batch, max_pages)", q.device)
+        if table.shape[0] != batch:
+            raise ValueError(f"block_table: expected {batch} rows (one per sequence), got {table.shape[0]}")
+        page = k_cache.shape[1]
+        if page % 16:
+            raise ValueError(f"k_cache: the page size must be a multiple of 16, got {page}")
+        capacity = table.shape[1] * page
+    if (k is None) != (v is None):
+        raise ValueError("k, v: pass both new keys and new values, or neither")
+    n_new = 0
+    if k is not None:
+        for name, t in (("k", k), ("v", v)):
+            t = checks.tensor_arg(name, t, 4, "(batch, new_tokens, kv_heads, head_dim)")
+            checks.same_as_q(q, {name: t})
+            if t.shape[0] != batch or t.shape[2] != k_cache.shape[2]:
+                raise ValueError(
+                    f"{name}: expected (batch {batch}, new_tokens, kv_heads {k_cache.shape[2]}, head_dim), "
+                    f"got {tuple(t.shape)}"
+                )
+        if v.shape[1] != k.shape[1]:
+            raise ValueError(f"v: expected {k.shape[1]} new tokens like k, got {v.shape[1]}")
+        n_new = k.shape[1]
+    if not read_lengths:
+        return
+    lengths = seqlens.tolist()
+    if min(lengths) < 0:
+        raise ValueError(f"cache_seqlens: lengths must be >= 0, got {lengths}")
+    if max(lengths) + n_new > capacity:
+        raise ValueError(
+            f"cache_seqlens: a sequence needs {max(lengths) + n_new} slots (with {n_new} new tokens), "
+            f"the cache holds {capacity}"
+        )
+    if block_table is not None:
+        page = k_cache.shape[1]
+        rows = block_table.tolist()
+        for b, length in enumerate(lengths):
+            used = rows[b][: -(-(length + n_new) // page)]
+            if used and (min(used) < 0 or max(used) >= k_cache.shape[0]):
+                raise ValueError(
+                    f"block_table: sequence {b} names pages {used}, outside 0..{k_cache.shape[0] - 1}"
+                )
+
+
+def _problem(q, k_cache, cache_seqlens, block_table, causal, return_lse) -> Problem:
+    paged = block_table is not None
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    return Problem(
+        family="decode",
+        dtype=DTYPE_NAMES[q.dtype],
+        head_dim=q.shape[3],
+        causal=bool(causal),
+        num_heads_q=q.shape[2],
+        num_heads_kv=k_cache.shape[2],
+        batch=bucket(q.shape[0], floor=1),
+        seqlen_q=q.shape[1],
+        seqlen_k=bucket(capacity),
+        paged=paged,
+        page_size=k_cache.shape[1] if paged else 0,
+        return_lse=bool(return_lse),
+        aligned=False,
+    )
+
+
+def _reference(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, scale):
+    """The PyTorch path: append in place, gather each sequence's keys, attend in float32."""
+    batch, nq = q.shape[0], q.shape[1]
+    n_new = 0 if k is None else k.shape[1]
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full((batch, q.shape[2], nq), float("-inf"), device=q.device)
+    for b, length in enumerate(cache_seqlens.tolist()):
+        if block_table is None:
+            slots = [(b, i) for i in range(length + n_new)]
+        else:
+            page = k_cache.shape[1]
+            slots = [(int(block_table[b, i // page]), i % page) for i in range(length + n_new)]
+        for t in range(n_new):
+            k_cache[slots[length + t]] = k[b, t]
+            v_cache[slots[length + t]] = v[b, t]
+        if not slots:
+            continue
+        index = torch.tensor(slots, device=q.device)
+        keys = k_cache[index[:, 0], index[:, 1]].transpose(0, 1)[None]
+        values = v_cache[index[:, 0], index[:, 1]].transpose(0, 1)[None]
+        o, s = attention_reference(
+            q[b].transpose(0, 1)[None], keys, values, causal=causal, scale=scale, compute_dtype=torch.float32
+        )
+        out[b] = o[0].transpose(0, 1)
+        lse[b] = s[0]
+    return out.to(q.dtype), lse
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    *,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    causal: bool = True,
+    scale: float | None = None,
+    return_lse: bool = False,
+    strict: bool | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention of a few new query tokens per sequence over a KV cache (`flash_attn_with_kvcache`).
+
+    q (batch, nq, heads, head_dim). The cache is contiguous, k_cache/v_cache (batch, slots,
+    kv_heads, head_dim), or paged, (pages, page_size, kv_heads, head_dim) with `block_table`
+    (batch, max_pages) int32 naming each sequence's pages in order (any physical order).
+    `cache_seqlens` (batch,) int32: tokens already cached per sequence. `k`/`v` (batch,
+    new_tokens, kv_heads, head_dim), when given, are written into the cache at those lengths
+    first (in place; the caller advances `cache_seqlens`). `causal` aligns bottom-right: query i
+    of nq sees the cache up to its own position. Returns (batch, nq, heads, head_dim), and with
+    `return_lse` the log-sum-exp (batch, heads, nq) in float32.
+    """
+    capturing = (
+        isinstance(q, torch.Tensor) and q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    )
+    check_decode(q, k_cache, v_cache, cache_seqlens, k, v, block_table, read_lengths=not capturing)
+    scale = checks.check_scale(scale, q.shape[-1])
+    if backend_for(q.device, strict) == "torch":
+        out, lse = _reference(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, scale)
+        return (out, lse) if return_lse else out
+    out = torch.empty_like(q)
+    lse = (
+        torch.empty((q.shape[0], q.shape[2], q.shape[1]), device=q.device, dtype=torch.float32)
+        if return_lse
+        else None
+    )
+    problem = _problem(q, k_cache, cache_seqlens, block_table, causal, return_lse)
+    kernel = dispatch.kernel_for(problem, gpu_of(q.device))
+    kernel.launch(q, k_cache, v_cache, cache_seqlens, out, lse, scale, block_table, k, v)
+    return (out, lse) if return_lse else out

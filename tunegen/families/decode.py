@@ -1,0 +1,105 @@
+"""The decode family: a few query tokens per sequence against a KV cache (contiguous or paged),
+split over the cache with an exact combine, query heads of a KV head packed into one tile."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+from tunegen.families.prefill import block_d
+from tunegen.gpu import Gpu
+from tunegen.problem import Problem
+from tunegen.variant import Variant
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeVariant(Variant):
+    """Knobs of templates/attention_decode.py.j2.
+
+    block_n: key tile; num_splits: programs per (sequence, head unit) over the cache, merged by
+    the combine kernel (1: no combine); pack_gqa: one tile holds every query head of a KV head.
+    """
+
+    family: ClassVar[str] = "decode"
+
+    block_n: int = 64
+    num_splits: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
+    pack_gqa: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_n not in (16, 32, 64, 128, 256):
+            raise ValueError(f"block_n: expected a power of two from 16 to 256, got {self.block_n}")
+        if not 1 <= self.num_splits <= 128:
+            raise ValueError(f"num_splits: expected 1 to 128, got {self.num_splits}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps: expected 1, 2, 4, 8 or 16, got {self.num_warps}")
+        if not 1 <= self.num_stages <= 8:
+            raise ValueError(f"num_stages: expected 1 to 8, got {self.num_stages}")
+
+
+class DecodeFamily:
+    name = "decode"
+    template = "attention_decode.py.j2"
+    variant_type = DecodeVariant
+
+    def features(self, problem: Problem, gpu: Gpu) -> dict[str, Any]:
+        return {
+            "head_dim": problem.head_dim,
+            "block_d": block_d(problem.head_dim),
+            "causal": problem.causal,
+            "group": problem.group,
+            "nq": problem.seqlen_q,
+            "paged": problem.paged,
+            "page_size": problem.page_size,
+            "return_lse": problem.return_lse,
+            "upcast": gpu.backend == "interpreter" and problem.dtype == "bfloat16",
+        }
+
+    def check_variant(self, variant: Variant, problem: Problem, gpu: Gpu) -> None:
+        if not isinstance(variant, DecodeVariant):
+            raise ValueError(f"variant: expected a DecodeVariant, got {type(variant).__name__}")
+        if problem.paged and problem.page_size % variant.block_n:
+            raise ValueError(
+                f"variant.block_n: {variant.block_n} must divide the page size {problem.page_size} "
+                "(a tile lies in one page)"
+            )
+
+    def search_space(self, problem: Problem, gpu: Gpu) -> dict[str, list]:
+        tiles = [16, 32] if gpu.arch == "interpreter" else [32, 64, 128]
+        if problem.paged:
+            tiles = [t for t in tiles if problem.page_size % t == 0] or [16]
+        return {
+            "block_n": tiles,
+            "num_splits": [1, 2, 4] if gpu.arch == "interpreter" else [1, 2, 4, 8, 16, 32],
+            "num_warps": [4] if gpu.arch == "interpreter" else [2, 4, 8],
+            "num_stages": [1] if gpu.arch == "interpreter" else [2, 3, 4],
+            "pack_gqa": [True, False] if problem.group > 1 else [True],
+        }
+
+    def constraint(self, variant: Variant, problem: Problem, gpu: Gpu) -> str | None:
+        try:
+            self.check_variant(variant, problem, gpu)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    def default_variant(self, problem: Problem, gpu: Gpu) -> DecodeVariant:
+        """Enough programs to fill the GPU: split the cache until batch x KV heads x splits
+        covers about two waves of SMs (flash-decoding's rule), within the cache's tiles."""
+        block_n = 32 if gpu.arch == "interpreter" else 64
+        if problem.paged:
+            block_n = min(block_n, problem.page_size)
+        units = problem.batch * problem.num_heads_kv
+        tiles = max(1, problem.seqlen_k // block_n)
+        splits = 1
+        while units * splits < 2 * gpu.sm_count and splits * 2 <= min(32, tiles):
+            splits *= 2
+        stages = 1 if gpu.arch == "interpreter" else 2
+        return DecodeVariant(
+            block_n=block_n, num_splits=splits, num_warps=4, num_stages=stages, pack_gqa=True
+        )
+
+
+FAMILY = DecodeFamily()
