@@ -8,7 +8,16 @@ out = tunegen.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k)   # packed seq
 import tunegen.ops  # noqa: F401  (registers torch.ops.tunegen.*)
 from tunegen.api import FallbackError, attention, attention_varlen, explain
 from tunegen.decode import decode_attention
+from tunegen.kvcache import KVCache
 
 __version__ = "0.1.0"
 
-__all__ = ["FallbackError", "__version__", "attention", "attention_varlen", "decode_attention", "explain"]
+__all__ = [
+    "FallbackError",
+    "KVCache",
+    "__version__",
+    "attention",
+    "attention_varlen",
+    "decode_attention",
+    "explain",
+]
