@@ -207,6 +207,16 @@ def _problem_text(problem: dict) -> str:
     return f"{problem.get('dtype')} D{problem.get('head_dim')} H{heads} {sizes} {' '.join(flags)}".strip()
 
 
+def _speed(w, ms: float | None = None) -> str:
+    """A winner's speed (or, given `ms`, the speed at that time) in its family's unit."""
+    scale = w.median_ms / ms if ms else 1.0
+    if w.tflops:
+        return f"{w.tflops * scale:.0f} TFLOP/s"
+    if w.gbps:
+        return f"{w.gbps * scale:.0f} GB/s"
+    return "-"
+
+
 def _variant_text(variant: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in sorted(variant.items()))
 
@@ -225,9 +235,23 @@ def _variant_text(variant: dict) -> str:
     metavar="HEADS,KV_HEADS,HEAD_DIM",
     help="An explicit attention shape (repeatable), e.g. 32,8,128.",
 )
-@click.option("--family", type=click.Choice(["prefill"]), default="prefill", show_default=True)
+@click.option("--family", type=click.Choice(["prefill", "decode"]), default="prefill", show_default=True)
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
 @click.option("--causal", type=click.Choice(["both", "yes", "no"]), default="yes", show_default=True)
+@click.option(
+    "--batches",
+    callback=_parse_ints,
+    default="1,16,64",
+    show_default=True,
+    help="Decode: batch sizes to sweep.",
+)
+@click.option(
+    "--page-size",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Decode: tokens per page of a paged cache (0: contiguous).",
+)
 @click.option(
     "--seqlens",
     callback=_parse_ints,
@@ -264,6 +288,8 @@ def tune(
     family,
     dtype,
     causal,
+    batches,
+    page_size,
     seqlens,
     tokens,
     trials,
@@ -303,6 +329,8 @@ def tune(
         seqlens=seqlens,
         tokens=tokens,
         family=family,
+        batches=batches,
+        page_size=page_size,
     )
     console = Console(width=200)
     if interpret:
@@ -338,7 +366,7 @@ def tune(
                 task = progress.add_task(label, total=options.trials, best="")
 
                 def report(state, task=task):
-                    best = f"best {state['best_tflops']:.0f} TFLOP/s" if state["best_tflops"] else ""
+                    best = f"best {state['best_rate']:.0f} {state['unit']}" if state["best_rate"] else ""
                     progress.update(task, completed=min(state["evaluated"], options.trials), best=best)
 
                 outcomes.append(tuner.tune(problem, report))
@@ -348,7 +376,7 @@ def tune(
     for col in (
         "problem",
         "winner",
-        "TFLOP/s",
+        "speed",
         "best peer",
         "speedup",
         "trials",
@@ -362,8 +390,8 @@ def tune(
         table.add_row(
             _problem_text(o.problem.as_dict()),
             _variant_text(w.variant) if w else "none found",
-            f"{w.tflops:.0f}" if w and w.tflops else "-",
-            f"{w.peer_name} {o.problem.flops() / w.peer_ms / 1e9:.0f}" if w and w.peer_ms else "-",
+            _speed(w) if w else "-",
+            f"{w.peer_name} {_speed(w, w.peer_ms)}" if w and w.peer_ms else "-",
             f"{w.speedup:.2f}x" if w and w.speedup else "-",
             str(o.evaluated),
             str(o.failed),
@@ -402,7 +430,7 @@ def list_winners(db_url: str | None, gpu_name: str | None, family: str | None, f
         click.echo(json.dumps([{"id": w.id, "gpu": w.gpu.name, **entry(w)} for w in winners], indent=1))
         return
     table = Table(title=f"{len(winners)} winners")
-    for col in ("id", "gpu", "family", "problem", "variant", "ms", "TFLOP/s", "vs peer", "triton"):
+    for col in ("id", "gpu", "family", "problem", "variant", "ms", "speed", "vs peer", "triton"):
         table.add_column(col)
     for w in winners:
         table.add_row(
@@ -412,7 +440,7 @@ def list_winners(db_url: str | None, gpu_name: str | None, family: str | None, f
             _problem_text(w.problem),
             _variant_text(w.variant),
             f"{w.median_ms:.4f}",
-            f"{w.tflops:.0f}" if w.tflops else "-",
+            _speed(w),
             f"{w.speedup:.2f}x {w.peer_name}" if w.speedup else "-",
             w.triton_version,
         )

@@ -217,3 +217,34 @@ def test_cli_tune_dry_run(tmp_path):
     assert '"family": "prefill"' in listed.output
     bad = CliRunner().invoke(main, ["tune", "--db", url, "--preset", "llama9", "--dry-run"])
     assert bad.exit_code != 0 and "preset: expected one of" in bad.output
+
+
+def test_cli_tunes_the_decode_family_on_a_paged_cache(tmp_path):
+    url = f"sqlite:///{tmp_path / 'decode.db'}"
+    args = [
+        "tune",
+        "--db",
+        url,
+        "--family",
+        "decode",
+        "--shape",
+        "8,2,64",
+        "--seqlens",
+        "4096",
+        "--batches",
+        "16",
+        "--page-size",
+        "32",
+        "--trials",
+        "2",
+        "--workers",
+        "1",
+        "--dry-run",
+    ]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "paged" in result.output and "inserted" in result.output and "GB/s" in result.output
+    with Store(url) as store:
+        (w,) = store.winners(family="decode")
+    assert w.problem["page_size"] == 32 and w.problem["seqlen_q"] == 1 and w.gbps is not None
+    assert 32 % w.variant["block_n"] == 0, "tiles lie within one page"

@@ -58,9 +58,32 @@ def problems(
     seqlens: tuple[int, ...] = (1024, 4096, 16384),
     tokens: int = 16384,
     family: str = "prefill",
+    batches: tuple[int, ...] = (1, 16, 64),
+    page_size: int = 0,
 ) -> list[Problem]:
-    """Prefill Problems for each model, causal setting and sequence length, `tokens` per batch."""
+    """Prefill Problems for each model, causal setting and sequence length, `tokens` per batch;
+    or decode Problems (one query token) for each model, batch size and cache length."""
     out = []
+    if family == "decode":
+        for model in models:
+            for b in batches:
+                for n in seqlens:
+                    out.append(
+                        Problem(
+                            family="decode",
+                            dtype=dtype,
+                            head_dim=model.head_dim,
+                            causal=True,
+                            num_heads_q=model.heads,
+                            num_heads_kv=model.kv_heads,
+                            batch=bucket(b, floor=1),
+                            seqlen_q=1,
+                            seqlen_k=bucket(n),
+                            paged=page_size > 0,
+                            page_size=page_size,
+                        )
+                    )
+        return list(dict.fromkeys(out))
     for model in models:
         for c in causal:
             for n in seqlens:
@@ -84,4 +107,8 @@ def problems(
 def dry_run(problem: Problem) -> Problem:
     """The same features on a tiny shape the interpreter gets through in seconds."""
     group = problem.num_heads_q // problem.num_heads_kv
+    if problem.family == "decode":
+        return dataclasses.replace(
+            problem, num_heads_q=group, num_heads_kv=1, batch=2, seqlen_k=max(64, 2 * problem.page_size)
+        )
     return dataclasses.replace(problem, num_heads_q=group, num_heads_kv=1, batch=1, seqlen_q=32, seqlen_k=32)

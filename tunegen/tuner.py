@@ -97,6 +97,11 @@ def study_name(gpu: Gpu, problem: Problem, sampler: str) -> str:
     return f"tunegen-{problem.family}-{slug}-{gpu.backend}-triton{gpu.triton_version}-{sampler}-{digest}"
 
 
+def rate(unit: str, work: float, ms: float) -> float:
+    """TFLOP/s from FLOPs, or GB/s from bytes, over a time in milliseconds."""
+    return work / ms / (1e9 if unit == "TFLOP/s" else 1e6)
+
+
 def _owner() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
@@ -284,8 +289,14 @@ class Tuner:
         ]
         done = sum(1 for t in study.get_trials(deepcopy=False) if t.user_attrs.get("evaluated"))
         best = min((t.value for t in complete), default=None)
-        tflops = problem.flops() / best / 1e9 if best else None
-        return {"evaluated": done, "target": self.options.trials, "best_ms": best, "best_tflops": tflops}
+        unit, work = get(problem.family).measure(problem)
+        return {
+            "evaluated": done,
+            "target": self.options.trials,
+            "best_ms": best,
+            "unit": unit,
+            "best_rate": rate(unit, work, best) if best else None,
+        }
 
     def _finish(self, study, problem, family, peer, start) -> Outcome:
         trials = study.get_trials(deepcopy=False)
@@ -297,6 +308,7 @@ class Tuner:
         best, ms = self._final_round(problem, complete)
         found_at = 1 + sorted(t.number for t in evaluated).index(best.number)
         variant = family.variant_type.from_json(best.user_attrs["variant"])
+        unit, work = family.measure(problem)
         winner = WinnerRecord(
             gpu=self.record,
             family=problem.family,
@@ -308,7 +320,7 @@ class Tuner:
             torch_version=self.gpu.torch_version,
             template_hash=template_hash(family.template),
             cuda_version=torch.version.cuda or "",
-            tflops=problem.flops() / ms / 1e9,
+            **{("tflops" if unit == "TFLOP/s" else "gbps"): rate(unit, work, ms)},
             peer_name=peer.get("name"),
             peer_ms=peer.get("ms"),
         )

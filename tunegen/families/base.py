@@ -13,6 +13,17 @@ from tunegen.variant import Variant
 
 
 @dataclasses.dataclass(frozen=True)
+class Case:
+    """One Problem's fresh random inputs: a kernel's launch on them, its error against float64
+    (NaN when an output was left unwritten), and the peers that compute the same function."""
+
+    launch: Callable[[], None] | None
+    error: Callable[[], float]
+    peers: dict[str, Callable[[], Any]]
+    peer_error: Callable[[Any], float]
+
+
+@dataclasses.dataclass(frozen=True)
 class Kernel:
     """A Variant rendered for one Problem's features and imported: `launch` runs it."""
 
@@ -46,6 +57,14 @@ class Family(Protocol):
 
     def constraint(self, variant: Variant, problem: Problem, gpu: Gpu) -> str | None:
         """Why `variant` should not be compiled for `problem` on `gpu` (None if it should)."""
+        ...
+
+    def case(self, problem: Problem, kernel: Kernel | None, device: Any, seed: int) -> Case:
+        """Inputs for `problem` bound to `kernel` (None: peers only), with the float64 check."""
+        ...
+
+    def measure(self, problem: Problem) -> tuple[str, float]:
+        """What a run's speed is counted in: ("TFLOP/s", FLOPs) or ("GB/s", bytes moved)."""
         ...
 
 

@@ -101,5 +101,15 @@ class DecodeFamily:
             block_n=block_n, num_splits=splits, num_warps=4, num_stages=stages, pack_gqa=True
         )
 
+    def measure(self, problem: Problem) -> tuple[str, float]:
+        """Bytes of K and V read: each cached token's keys and values once."""
+        size = {"float16": 2, "bfloat16": 2, "float32": 4}[problem.dtype]
+        return "GB/s", 2.0 * problem.batch * problem.seqlen_k * problem.num_heads_kv * problem.head_dim * size
+
+    def case(self, problem: Problem, kernel: Any, device: Any, seed: int) -> Any:
+        from tunegen.families.decode_case import decode_case
+
+        return decode_case(problem, kernel, device, seed)
+
 
 FAMILY = DecodeFamily()

@@ -175,5 +175,13 @@ class PrefillFamily:
             return PrefillVariant(block_m=128, block_n=64, num_warps=8, num_stages=2)
         return PrefillVariant(block_m=64, block_n=32, num_warps=4, num_stages=2)
 
+    def measure(self, problem: Problem) -> tuple[str, float]:
+        return "TFLOP/s", problem.flops()
+
+    def case(self, problem: Problem, kernel: Any, device: Any, seed: int) -> Any:
+        from tunegen.families.prefill_case import prefill_case
+
+        return prefill_case(problem, kernel, device, seed)
+
 
 FAMILY = PrefillFamily()

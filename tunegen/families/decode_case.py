@@ -1,0 +1,68 @@
+"""The decode family's tuning case: a full cache of random tokens (contiguous, or paged in
+shuffled pages), launch, float64 check, SDPA peers for one-token decode on contiguous caches."""
+
+from __future__ import annotations
+
+import torch
+
+from tunegen.families.base import Case, Kernel
+from tunegen.families.prefill_case import TORCH_DTYPES
+from tunegen.problem import Problem
+from tunegen.reference import attention_reference
+
+
+def decode_case(problem: Problem, kernel: Kernel | None, device: torch.device, seed: int) -> Case:
+    gen = torch.Generator().manual_seed(seed)
+    dtype = TORCH_DTYPES[problem.dtype]
+    b, nq, length, d = problem.batch, problem.seqlen_q, problem.seqlen_k, problem.head_dim
+    hq, hkv = problem.num_heads_q, problem.num_heads_kv
+    q = torch.randn(b, nq, hq, d, generator=gen).to(device, dtype)
+    keys = torch.randn(b, length, hkv, d, generator=gen).to(device, dtype)
+    values = torch.randn(b, length, hkv, d, generator=gen).to(device, dtype)
+    seqlens = torch.full((b,), length, dtype=torch.int32, device=device)
+    table = None
+    k_cache, v_cache = keys, values
+    if problem.paged:
+        page = problem.page_size
+        pages = length // page
+        order = torch.randperm(b * pages, generator=gen).to(device)
+        table = order.view(b, pages).to(torch.int32)
+        k_cache = torch.empty((b * pages, page, hkv, d), device=device, dtype=dtype)
+        v_cache = torch.empty_like(k_cache)
+        k_cache[order] = keys.reshape(b * pages, page, hkv, d)
+        v_cache[order] = values.reshape(b * pages, page, hkv, d)
+    scale = d**-0.5
+
+    def error_of(out: torch.Tensor) -> float:
+        if torch.isnan(out).any():
+            return float("nan")
+        ref, _ = attention_reference(
+            q.transpose(1, 2),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            causal=problem.causal,
+            scale=scale,
+        )
+        ref = ref.transpose(1, 2)
+        return float((out.double() - ref).norm() / ref.norm())
+
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((b, hq, nq), float("nan"), device=device) if problem.return_lse else None
+    launch = None
+    if kernel is not None:
+        launch = lambda: kernel.launch(q, k_cache, v_cache, seqlens, out, lse, scale, table)
+
+    def error() -> float:
+        if lse is not None and torch.isnan(lse).any():
+            return float("nan")
+        return error_of(out)
+
+    peers = {}
+    if device.type == "cuda" and not problem.paged and nq == 1:
+        from tunegen import peers as peer_impls
+
+        qt, kt, vt = q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
+        for name in ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient"):
+            fn = peer_impls.sdpa(name, False)
+            peers[name] = lambda fn=fn: fn(qt, kt, vt).transpose(1, 2)
+    return Case(launch=launch, error=error, peers=peers, peer_error=error_of)
