@@ -221,6 +221,49 @@ def _variant_text(variant: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in sorted(variant.items()))
 
 
+@bench.command("decode")
+@click.option("--batches", callback=_parse_ints, default="1,16,64", show_default=True)
+@click.option("--cache-lengths", callback=_parse_ints, default="4096,32768", show_default=True)
+@click.option("--heads", type=int, default=32, show_default=True)
+@click.option("--kv-heads", type=int, default=8, show_default=True)
+@click.option("--head-dim", type=int, default=128, show_default=True)
+@click.option(
+    "--page-sizes",
+    callback=_parse_ints,
+    default="0,64",
+    show_default=True,
+    help="Cache layouts: 0 is contiguous, others paged with that many tokens a page.",
+)
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None)
+def bench_decode(batches, cache_lengths, heads, kv_heads, head_dim, page_sizes, output) -> None:
+    """Decode over a KV cache: GB/s of K and V read, tunegen against SDPA's backends."""
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    from tunegen import bench as benchmarks
+
+    if not torch.cuda.is_available():
+        raise click.UsageError("bench needs a CUDA GPU: timings come from the GPU's clock")
+    problems = benchmarks.decode_suite(batches, cache_lengths, heads, kv_heads, head_dim, page_sizes)
+    rows = benchmarks.bench_cases(problems)
+    if output is not None:
+        benchmarks.write_rows(rows, output)
+    names = list(dict.fromkeys(r["impl"] for r in rows))
+    table = Table(title=f"decode bf16, GB/s of K/V read ({rows[0]['gpu'] if rows else ''})")
+    for col in ("B", "cache", "layout", *names):
+        table.add_column(col, justify="right")
+    cells: dict[tuple, dict[str, str]] = {}
+    for r in rows:
+        key = (r["batch"], r["seqlen_k"], f"paged {r['page_size']}" if r["paged"] else "contiguous")
+        cells.setdefault(key, {})[r["impl"]] = (
+            f"{r['rate']:.0f}" if r["rate"] else ("wrong" if "wrong" in r["note"] else "-")
+        )
+    for key, row in cells.items():
+        table.add_row(*(str(x) for x in key), *(row.get(n, "") for n in names))
+    Console(width=200).print(table)
+
+
 @main.command()
 @click.option(
     "--preset",

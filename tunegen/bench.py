@@ -184,10 +184,10 @@ def bench_prefill(
     return rows
 
 
-def write_rows(rows: Sequence[Row], path: Path) -> None:
+def write_rows(rows: Sequence[Row | dict], path: Path) -> None:
     """Write rows as CSV or JSON, by the file's suffix."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    records = [dataclasses.asdict(r) for r in rows]
+    records = [r if isinstance(r, dict) else dataclasses.asdict(r) for r in rows]
     if path.suffix == ".json":
         path.write_text(json.dumps(records, indent=1))
         return
@@ -195,3 +195,83 @@ def write_rows(rows: Sequence[Row], path: Path) -> None:
         writer = csv.DictWriter(handle, fieldnames=list(records[0]) if records else [])
         writer.writeheader()
         writer.writerows(records)
+
+
+def decode_suite(
+    batches: Sequence[int] = (1, 16, 64),
+    cache_lengths: Sequence[int] = (4096, 32768),
+    heads: int = 32,
+    kv_heads: int = 8,
+    head_dim: int = 128,
+    page_sizes: Sequence[int] = (0, 64),
+    dtype: str = "bfloat16",
+) -> list[Problem]:
+    """One-token decode Problems: each batch, cache length and layout (page size 0: contiguous)."""
+    return [
+        Problem(
+            family="decode",
+            dtype=dtype,
+            head_dim=head_dim,
+            causal=True,
+            num_heads_q=heads,
+            num_heads_kv=kv_heads,
+            batch=b,
+            seqlen_q=1,
+            seqlen_k=n,
+            paged=page > 0,
+            page_size=page,
+        )
+        for b in batches
+        for n in cache_lengths
+        for page in page_sizes
+    ]
+
+
+def bench_cases(
+    problems: Sequence[Problem], *, seed: int = 0, on_row: Callable[[dict], None] | None = None
+) -> list[dict]:
+    """Check then time tunegen's dispatched kernel and every peer the family's case offers, per
+    Problem, in the family's unit (GB/s for decode)."""
+    from tunegen import dispatch
+    from tunegen.families import get
+
+    device = torch.device("cuda")
+    gpu = cuda_gpu(torch.cuda.current_device())
+    rows = []
+    for problem in problems:
+        family = get(problem.family)
+        unit, work = family.measure(problem)
+        case = family.case(problem, dispatch.kernel_for(problem, gpu), device, seed)
+        calls = {"tunegen": (case.launch, case.error)}
+        calls.update({name: (call, None) for name, call in case.peers.items()})
+        for name, (call, error) in calls.items():
+            row = {
+                "impl": name,
+                **problem.as_dict(),
+                "unit": unit,
+                "ms": None,
+                "rate": None,
+                "rel_err": None,
+                "note": "",
+                "gpu": gpu.name,
+                "triton": triton.__version__,
+                "torch": torch.__version__,
+                "date": datetime.date.today().isoformat(),
+            }
+            try:
+                out = call()
+                torch.cuda.synchronize()
+                row["rel_err"] = error() if error is not None else case.peer_error(out)
+                if not row["rel_err"] <= TOLERANCE[problem.dtype]:
+                    row["note"] = f"wrong: relative error {row['rel_err']:.2e}"
+                else:
+                    row["ms"] = median_ms(call)
+                    row["rate"] = work / row["ms"] / (1e9 if unit == "TFLOP/s" else 1e6)
+            except Exception as exc:  # a peer refusing a shape is a result, not a crash
+                first = str(exc).splitlines()[0][:120] if str(exc) else ""
+                row["note"] = f"unsupported: {type(exc).__name__}: {first}"
+            rows.append(row)
+            if on_row is not None:
+                on_row(row)
+        torch.cuda.empty_cache()
+    return rows
