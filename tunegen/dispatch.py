@@ -23,8 +23,14 @@ from tunegen.tuning_db import TuningDbError, WinnerRecord
 
 log = logging.getLogger("tunegen")
 if os.environ.get("TUNEGEN_LOG"):
-    logging.basicConfig()
-    log.setLevel(os.environ["TUNEGEN_LOG"].upper())
+    level = os.environ["TUNEGEN_LOG"].upper()
+    if isinstance(logging.getLevelName(level), int):
+        logging.basicConfig()
+        log.setLevel(level)
+    else:
+        warnings.warn(
+            f"TUNEGEN_LOG: expected debug, info, warning or error, got {level.lower()!r}", stacklevel=2
+        )
 
 
 class StaleWinnerWarning(UserWarning):
