@@ -50,6 +50,8 @@ class Choice:
 
 _CHOICES: dict[tuple[Problem, Gpu], Choice] = {}
 _LOCK = threading.Lock()
+# Calls' exact input signatures (see api.attention_eager) to the kernel their Problem got.
+fast_kernels: dict[tuple, base.Kernel] = {}
 
 
 def _distance(problem: Problem, other: dict) -> float:
@@ -157,3 +159,4 @@ def forget() -> None:
     """Drop every cached choice (after tuning in this process, say), so the next call looks again."""
     with _LOCK:
         _CHOICES.clear()
+        fast_kernels.clear()
