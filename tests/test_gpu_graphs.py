@@ -59,5 +59,5 @@ def test_the_fast_path_serves_repeat_calls_and_keeps_them_correct():
     assert len(dispatch.fast_kernels) == 1, "repeat calls hit the fast path"
     tunegen.attention(q.float(), k.float(), v.float(), causal=True)
     assert len(dispatch.fast_kernels) == 2, "another dtype is another entry"
-    with pytest.raises(ValueError, match="k: expected dtype torch.float16 like q"):
+    with pytest.raises(ValueError, match=r"k: expected dtype torch\.float16 like q"):
         tunegen.attention(q, k.float(), v, causal=True)
