@@ -9,9 +9,11 @@ from __future__ import annotations
 import csv
 import dataclasses
 import datetime
+import functools
 import json
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import triton
@@ -21,7 +23,7 @@ from tunegen import peers
 from tunegen.gpu import cuda_gpu
 from tunegen.problem import DTYPE_NAMES, Problem
 from tunegen.reference import TOLERANCE, sampled_error
-from tunegen.timing import median_ms
+from tunegen.timing import median_ms, rate
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -107,6 +109,23 @@ def _implementations(names: Iterable[str], shape: Shape, device: torch.device) -
     return impls
 
 
+def _check_then_time(
+    call: Callable[[], Any], error_of: Callable[[Any], float], dtype: str
+) -> tuple[float | None, float | None, str]:
+    """Run `call` once and check its output against float64; time it only if it is right.
+    Returns (median ms, relative error, note); a refusal or a wrong answer is the note."""
+    try:
+        out = call()
+        torch.cuda.synchronize()
+        err = error_of(out)
+        if not err <= TOLERANCE[dtype]:
+            return None, err, f"wrong: relative error {err:.2e}"
+        return median_ms(call), err, ""
+    except Exception as exc:  # a peer refusing a shape is a result, not a crash
+        first = str(exc).splitlines()[0][:120] if str(exc) else ""
+        return None, None, f"unsupported: {type(exc).__name__}: {first}"
+
+
 def _fits_math(shape: Shape, budget_bytes: float) -> bool:
     return shape.batch * shape.heads * shape.seqlen**2 * 6 < budget_bytes
 
@@ -145,19 +164,13 @@ def bench_prefill(
             if name == "sdpa-math" and not _fits_math(shape, free * 0.5):
                 note = "skipped: the N x N matrix does not fit"
             else:
-                try:
-                    out = fn(q, k, v)
-                    torch.cuda.synchronize()
-                    err = sampled_error(out, q, k, v, causal=shape.causal, scale=scale, generator=gen)
-                    if not err <= TOLERANCE[DTYPE_NAMES[torch_dtype]]:
-                        note = f"wrong: relative error {err:.2e}"
-                    else:
-                        ms = median_ms(lambda fn=fn, q=q, k=k, v=v: fn(q, k, v))
-                        tflops = flops / ms / 1e9
-                    del out
-                except Exception as exc:  # a peer refusing a shape is a result, not a crash
-                    first = str(exc).splitlines()[0][:120] if str(exc) else ""
-                    note = f"unsupported: {type(exc).__name__}: {first}"
+                check = functools.partial(
+                    sampled_error, q=q, k=k, v=v, causal=shape.causal, scale=scale, generator=gen
+                )
+                ms, err, note = _check_then_time(
+                    functools.partial(fn, q, k, v), check, DTYPE_NAMES[torch_dtype]
+                )
+                tflops = rate("TFLOP/s", flops, ms) if ms else None
             row = Row(
                 name,
                 dtype,
@@ -242,8 +255,8 @@ def bench_cases(
         family = get(problem.family)
         unit, work = family.measure(problem)
         case = family.case(problem, dispatch.kernel_for(problem, gpu), device, seed)
-        calls = {"tunegen": (case.launch, case.error)}
-        calls.update({name: (call, None) for name, call in case.peers.items()})
+        calls = {"tunegen": (case.launch, lambda _, case=case: case.error())}
+        calls.update({name: (call, case.peer_error) for name, call in case.peers.items()})
         for name, (call, error) in calls.items():
             row = {
                 "impl": name,
@@ -258,18 +271,8 @@ def bench_cases(
                 "torch": torch.__version__,
                 "date": datetime.date.today().isoformat(),
             }
-            try:
-                out = call()
-                torch.cuda.synchronize()
-                row["rel_err"] = error() if error is not None else case.peer_error(out)
-                if not row["rel_err"] <= TOLERANCE[problem.dtype]:
-                    row["note"] = f"wrong: relative error {row['rel_err']:.2e}"
-                else:
-                    row["ms"] = median_ms(call)
-                    row["rate"] = work / row["ms"] / (1e9 if unit == "TFLOP/s" else 1e6)
-            except Exception as exc:  # a peer refusing a shape is a result, not a crash
-                first = str(exc).splitlines()[0][:120] if str(exc) else ""
-                row["note"] = f"unsupported: {type(exc).__name__}: {first}"
+            row["ms"], row["rel_err"], row["note"] = _check_then_time(call, error, problem.dtype)
+            row["rate"] = rate(unit, work, row["ms"]) if row["ms"] else None
             rows.append(row)
             if on_row is not None:
                 on_row(row)

@@ -17,6 +17,7 @@ DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.bfloat16: "bfloat16",
     torch.float32: "float32",
 }
+TORCH_DTYPES: dict[str, torch.dtype] = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 
 
 def bucket(n: int, floor: int = 16) -> int:

@@ -27,6 +27,7 @@ from tunegen.families import get
 from tunegen.gpu import Gpu, driver_version
 from tunegen.problem import Problem
 from tunegen.render import template_hash
+from tunegen.timing import rate
 from tunegen.trial import compile_task, evaluate_task, peers_task
 from tunegen.tuning_db import FailureRecord, WinnerRecord
 from tunegen.variant import Variant
@@ -95,11 +96,6 @@ def study_name(gpu: Gpu, problem: Problem, sampler: str) -> str:
     slug = re.sub(r"[^a-z0-9]+", "-", gpu.name.lower()).strip("-")
     digest = hashlib.sha256(problem.to_json().encode()).hexdigest()[:16]
     return f"tunegen-{problem.family}-{slug}-{gpu.backend}-triton{gpu.triton_version}-{sampler}-{digest}"
-
-
-def rate(unit: str, work: float, ms: float) -> float:
-    """TFLOP/s from FLOPs, or GB/s from bytes, over a time in milliseconds."""
-    return work / ms / (1e9 if unit == "TFLOP/s" else 1e6)
 
 
 def _owner() -> str:

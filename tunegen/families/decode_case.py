@@ -6,8 +6,7 @@ from __future__ import annotations
 import torch
 
 from tunegen.families.base import Case, Kernel
-from tunegen.families.prefill_case import TORCH_DTYPES
-from tunegen.problem import Problem
+from tunegen.problem import TORCH_DTYPES, Problem
 from tunegen.reference import attention_reference
 
 

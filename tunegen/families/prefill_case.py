@@ -5,10 +5,9 @@ from __future__ import annotations
 import torch
 
 from tunegen.families.base import Case, Kernel
-from tunegen.problem import Problem
+from tunegen.problem import TORCH_DTYPES, Problem
 from tunegen.reference import attention_reference, sampled_error
 
-TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 FULL_REFERENCE_LIMIT = 2**22  # score elements: above this, check sampled rows
 
 
