@@ -9,6 +9,8 @@ library functions at import), so on a GPU machine run `pytest -m gpu` for the GP
 from __future__ import annotations
 
 import os
+import uuid
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -35,3 +37,30 @@ def _kernel_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
 def device(request: pytest.FixtureRequest) -> torch.device:
     """Each correctness test runs on the interpreter (CPU) and, where there is one, the GPU."""
     return torch.device(request.param)
+
+
+@pytest.fixture
+def postgres_url() -> Iterator[str]:
+    """A fresh, empty PostgreSQL database for one test, dropped afterwards.
+
+    Each test gets its own database so that tests running in parallel (pytest -n) never see each
+    other's schema changes. Skipped without TUNEGEN_TEST_PG_URL, except under CI, where the server
+    is part of the contract (.ci/postgres.sh).
+    """
+    server = os.environ.get("TUNEGEN_TEST_PG_URL")
+    if not server:
+        if os.environ.get("CI"):
+            pytest.fail("CI must provide a PostgreSQL server (.ci/postgres.sh)")
+        pytest.skip("TUNEGEN_TEST_PG_URL not set")
+    import sqlalchemy as sa
+
+    name = f"tunegen_test_{uuid.uuid4().hex[:12]}"
+    admin = sa.create_engine(server, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield sa.engine.make_url(server).set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()

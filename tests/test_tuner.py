@@ -155,21 +155,11 @@ def _fleet_worker(url):
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
-def test_two_fleet_workers_share_one_study_without_duplicates(tmp_path, backend):
+def test_two_fleet_workers_share_one_study_without_duplicates(tmp_path, backend, request):
     if backend == "sqlite":
         url = f"sqlite:///{tmp_path / 'fleet.db'}"
     else:
-        url = os.environ.get("TUNEGEN_TEST_PG_URL")
-        if not url:
-            if os.environ.get("CI"):
-                pytest.fail("CI must provide a PostgreSQL server (.ci/postgres.sh)")
-            pytest.skip("TUNEGEN_TEST_PG_URL not set")
-        import sqlalchemy as sa
-
-        engine = sa.create_engine(url)
-        with engine.begin() as conn:
-            conn.execute(sa.text("DROP SCHEMA public CASCADE; CREATE SCHEMA public"))
-        engine.dispose()
+        url = request.getfixturevalue("postgres_url")
     Store(url).close()
     optuna.create_study(
         study_name=study_name(GPU, PROBLEM, "grid"),

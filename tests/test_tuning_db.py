@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import multiprocessing
-import os
 import random
 import sqlite3
 
@@ -34,7 +33,6 @@ from tunegen.tuning_db.models import Base
 from tunegen.tuning_db.store import VERSION_TABLE, _alembic_config
 
 H100 = GpuRecord("NVIDIA H100 80GB HBM3", "9.0", 132, 232448, "cuda", "580.159.04")
-PG_URL = os.environ.get("TUNEGEN_TEST_PG_URL")
 
 
 def problem(i: int = 0) -> dict:
@@ -159,15 +157,9 @@ def test_concurrent_processes_lose_nothing_on_sqlite(url):
     _concurrent(url)
 
 
-@pytest.mark.skipif(not PG_URL and not os.environ.get("CI"), reason="TUNEGEN_TEST_PG_URL not set")
-def test_concurrent_processes_lose_nothing_on_postgresql():
-    assert PG_URL, "CI must provide a PostgreSQL server (.ci/postgres.sh)"
-    engine = sa.create_engine(PG_URL)
-    with engine.begin() as conn:  # a clean database for each run
-        conn.execute(sa.text("DROP SCHEMA public CASCADE; CREATE SCHEMA public"))
-    engine.dispose()
-    _concurrent(PG_URL, processes=4, per_process=30)
-    with Store(PG_URL) as store:
+def test_concurrent_processes_lose_nothing_on_postgresql(postgres_url):
+    _concurrent(postgres_url, processes=4, per_process=30)
+    with Store(postgres_url) as store:
         assert store.revision() == head_revision()
 
 
