@@ -499,6 +499,54 @@ def memory(preset, layers, heads, kv_heads, head_dim, seqlen, batch, dtype, fmt)
     )
 
 
+@bench.command("ceilings")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None)
+def bench_ceilings(output: Path | None) -> None:
+    """The roofline's ceilings on this GPU: bf16 and fp8 matmul TFLOP/s, copy TB/s (read + write)."""
+    import torch
+
+    from tunegen import ceilings
+
+    if not torch.cuda.is_available():
+        raise click.UsageError("bench needs a CUDA GPU: timings come from the GPU's clock")
+    result = ceilings.measure()
+    if output is not None:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(json.dumps(result, indent=1))
+    click.echo(json.dumps(result, indent=1))
+
+
+@main.command()
+@click.argument(
+    "results", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path)
+)
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("tunegen-report"),
+    show_default=True,
+    help="Folder for index.html and its plots.",
+)
+@click.option(
+    "--ceilings",
+    "ceilings_path",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="JSON from `tunegen bench ceilings` (matmul and copy ceilings) for the roofline.",
+)
+def report(results: tuple[Path, ...], output: Path, ceilings_path: Path | None) -> None:
+    """An HTML page with plots from `tunegen bench` result files (CSV or JSON)."""
+    from tunegen import report as pages
+
+    try:
+        ceilings = pages.Ceilings.load(ceilings_path) if ceilings_path else None
+        page = pages.write_report(results, output, ceilings)
+    except (ValueError, RuntimeError) as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"wrote {page}")
+
+
 @main.command("list")
 @_db_option
 @click.option("--gpu", "gpu_name", default=None, help="Only this GPU (its name).")
