@@ -162,3 +162,31 @@ def test_choices_are_dataclasses():
     tunegen.attention(q, k, v)
     (choice,) = dispatch._CHOICES.values()
     assert dataclasses.is_dataclass(choice) and choice.kernel.variant.family == "prefill"
+
+
+def test_the_shipped_h100_winners_are_served_and_valid(tmp_path, monkeypatch):
+    """Every shipped Winner parses, passes its family's checks on the GPU it was tuned on, and is
+    what a lookup for its Problem on that GPU finds when the user's database is empty."""
+    from tunegen.database import winners_for
+    from tunegen.families import get
+    from tunegen.gpu import Gpu
+    from tunegen.problem import Problem
+    from tunegen.tuning_db import shipped_store
+
+    monkeypatch.setenv("TUNEGEN_DB", f"sqlite:///{tmp_path / 'empty.db'}")
+    shipped = shipped_store().winners()
+    assert shipped, "the package ships tuned winners"
+    for w in shipped:
+        gpu = Gpu(
+            w.gpu.name,
+            tuple(int(x) for x in w.gpu.capability.split(".")),
+            w.gpu.sm_count,
+            w.gpu.smem_per_block,
+            w.triton_version,
+            w.torch_version,
+            w.gpu.backend,
+        )
+        problem = Problem(**w.problem)
+        family = get(w.family)
+        family.check_variant(family.variant_type.from_json(w.variant), problem, gpu)
+        assert [x.variant for x in winners_for(gpu, problem)] == [w.variant]
