@@ -99,6 +99,15 @@ def test_the_nearest_bucket_with_the_same_features(fresh):
     assert "2x32x32" in info["reason"]
 
 
+def test_a_winner_more_than_one_doubling_away_is_not_used(fresh):
+    q, k, v = qkv(n=40)  # bucket 64
+    problem = tunegen.explain(q, k, v)["problem"]
+    dispatch.forget()
+    record(fresh, {**problem, "seqlen_q": 256, "seqlen_k": 256}, TUNED)  # two doublings of each length
+    info = tunegen.explain(q, k, v)
+    assert info["source"] == "default" and "more than one size doubling away" in info["reason"]
+
+
 def test_a_winner_from_another_triton_is_used_with_one_warning(fresh):
     q, k, v = qkv()
     problem = tunegen.explain(q, k, v)["problem"]

@@ -1,7 +1,8 @@
 """Dispatch: the kernel that serves a Problem on a Gpu.
 
 The first call for a (Problem, Gpu) looks for a Winner (the user's database, then the shipped
-winners): for exactly this Problem, else for the nearest bucket with the same features, else it
+winners): for exactly this Problem, else for the nearest bucket with the same features (at most one
+doubling of each size away), else it
 takes the family's default Variant. It builds that kernel once, under a lock; every later call
 is a dict lookup. Winners tuned under another Triton version are used, with one warning.
 """
@@ -54,6 +55,12 @@ _LOCK = threading.Lock()
 fast_kernels: dict[tuple, base.Kernel] = {}
 
 
+# How far a nearest-bucket Winner may be: one doubling of each of batch, query and KV length (a
+# step along the benchmark suite, which halves the batch as it doubles the length). Beyond that,
+# the defaults, measured across lengths, are the better guess than a Variant tuned for others.
+NEAREST_MAX_DISTANCE = 3.0
+
+
 def _distance(problem: Problem, other: dict) -> float:
     """How far apart two buckets are: the sum of |log2| ratios of batch and lengths."""
     total = 0.0
@@ -90,9 +97,11 @@ def choose(problem: Problem, gpu: Gpu) -> Choice:
     try:
         exact = _usable(winners_for(gpu, problem), problem, gpu)
         nearby = [] if exact else _usable(winners_for(gpu, problem, same_features=True), problem, gpu)
+        too_far = [p for p in nearby if _distance(problem, p[0].problem) > NEAREST_MAX_DISTANCE]
+        nearby = [p for p in nearby if p not in too_far]
         lookup_error = None
     except TuningDbError as exc:
-        exact, nearby, lookup_error = [], [], str(exc)
+        exact, nearby, too_far, lookup_error = [], [], [], str(exc)
         warnings.warn(f"tunegen: tuned winners unavailable, using default Variants: {exc}", stacklevel=3)
     if exact:
         winner, variant = _prefer_current(exact, gpu)
@@ -114,6 +123,8 @@ def choose(problem: Problem, gpu: Gpu) -> Choice:
             f"no tuned winner for this Problem's features on {gpu.name}: the {gpu.arch} default for head dim "
             f"{problem.head_dim}" + (f" (database unavailable: {lookup_error})" if lookup_error else "")
         )
+        if too_far:
+            reason += f"; {len(too_far)} winner(s) with these features are more than one size doubling away"
     stale = winner is not None and winner.triton_version != gpu.triton_version
     if stale:
         reason += f"; tuned under Triton {winner.triton_version}, running {gpu.triton_version} (stale)"
