@@ -27,7 +27,7 @@ def main() -> None:
 
 
 @main.command()
-@click.argument("family", type=click.Choice(["prefill"]))
+@click.argument("family", type=click.Choice(["prefill", "backward"]))
 @click.option("--head-dim", type=int, default=128, show_default=True, help="Head dimension D.")
 @click.option("--causal/--no-causal", default=False, show_default=True)
 @click.option(
@@ -238,8 +238,6 @@ def _variant_text(variant: dict) -> str:
 def bench_decode(batches, cache_lengths, heads, kv_heads, head_dim, page_sizes, output) -> None:
     """Decode over a KV cache: GB/s of K and V read, tunegen against SDPA's backends."""
     import torch
-    from rich.console import Console
-    from rich.table import Table
 
     from tunegen import bench as benchmarks
 
@@ -249,19 +247,82 @@ def bench_decode(batches, cache_lengths, heads, kv_heads, head_dim, page_sizes, 
     rows = benchmarks.bench_cases(problems)
     if output is not None:
         benchmarks.write_rows(rows, output)
+    _print_cases(
+        rows,
+        "decode bf16, GB/s of K/V read",
+        {
+            "B": lambda r: r["batch"],
+            "cache": lambda r: r["seqlen_k"],
+            "layout": lambda r: f"paged {r['page_size']}" if r["paged"] else "contiguous",
+        },
+    )
+
+
+def _print_cases(rows: list[dict], title: str, columns: dict) -> None:
+    """A table of `bench_cases` rows: one line per Problem (its `columns`, each a function of a
+    row), one column per implementation with its rate, "wrong" or "-" (refused)."""
+    from rich.console import Console
+    from rich.table import Table
+
     names = list(dict.fromkeys(r["impl"] for r in rows))
-    table = Table(title=f"decode bf16, GB/s of K/V read ({rows[0]['gpu'] if rows else ''})")
-    for col in ("B", "cache", "layout", *names):
+    table = Table(title=f"{title} ({rows[0]['gpu'] if rows else ''})")
+    for col in (*columns, *names):
         table.add_column(col, justify="right")
     cells: dict[tuple, dict[str, str]] = {}
     for r in rows:
-        key = (r["batch"], r["seqlen_k"], f"paged {r['page_size']}" if r["paged"] else "contiguous")
+        key = tuple(column(r) for column in columns.values())
         cells.setdefault(key, {})[r["impl"]] = (
             f"{r['rate']:.0f}" if r["rate"] else ("wrong" if "wrong" in r["note"] else "-")
         )
     for key, row in cells.items():
         table.add_row(*(str(x) for x in key), *(row.get(n, "") for n in names))
     Console(width=200).print(table)
+
+
+@bench.command("backward")
+@click.option("--dtype", type=click.Choice(["bf16", "fp16"]), default="bf16", show_default=True)
+@click.option("--seqlens", callback=_parse_ints, default="512,1024,2048,4096,8192,16384", show_default=True)
+@click.option("--head-dims", callback=_parse_ints, default="64,128,256", show_default=True)
+@click.option("--causal", type=click.Choice(["both", "yes", "no"]), default="both", show_default=True)
+@click.option(
+    "--tokens", type=int, default=16384, show_default=True, help="Tokens per batch: B = tokens / N."
+)
+@click.option("--hidden", type=int, default=2048, show_default=True, help="Hidden size: H = hidden / D.")
+@click.option("--kv-heads", type=int, default=None, help="Key/value heads (default: as many as query heads).")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None)
+def bench_backward(dtype, seqlens, head_dims, causal, tokens, hidden, kv_heads, output) -> None:
+    """Backward (dQ, dK, dV): TFLOP/s, counted as 2.5x the forward's FLOPs, on the prefill suite;
+    tunegen against the backward of SDPA's backends and of FlexAttention."""
+    from operator import itemgetter
+
+    import torch
+    from rich.progress import Progress
+
+    from tunegen import bench as benchmarks
+    from tunegen.presets import DTYPES
+
+    if not torch.cuda.is_available():
+        raise click.UsageError("bench needs a CUDA GPU: timings come from the GPU's clock")
+    causal_values = {"both": (False, True), "yes": (True,), "no": (False,)}[causal]
+    problems = benchmarks.backward_suite(
+        seqlens, head_dims, causal_values, tokens, hidden, kv_heads, DTYPES[dtype]
+    )
+    with Progress(transient=True) as progress:
+        task = progress.add_task("bench backward", total=None)
+        rows = benchmarks.bench_cases(problems, on_row=lambda _: progress.advance(task))
+    if output is not None:
+        benchmarks.write_rows(rows, output)
+    _print_cases(
+        rows,
+        f"backward {dtype}, TFLOP/s (2.5x forward FLOPs)",
+        {
+            "D": itemgetter("head_dim"),
+            "causal": itemgetter("causal"),
+            "N": itemgetter("seqlen_q"),
+            "B": itemgetter("batch"),
+            "H": itemgetter("num_heads_q"),
+        },
+    )
 
 
 @main.command()
@@ -278,7 +339,9 @@ def bench_decode(batches, cache_lengths, heads, kv_heads, head_dim, page_sizes, 
     metavar="HEADS,KV_HEADS,HEAD_DIM",
     help="An explicit attention shape (repeatable), e.g. 32,8,128.",
 )
-@click.option("--family", type=click.Choice(["prefill", "decode"]), default="prefill", show_default=True)
+@click.option(
+    "--family", type=click.Choice(["prefill", "decode", "backward"]), default="prefill", show_default=True
+)
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
 @click.option("--causal", type=click.Choice(["both", "yes", "no"]), default="yes", show_default=True)
 @click.option(

@@ -5,7 +5,7 @@ such as non-constexpr globals that only the compiler rejects."""
 from __future__ import annotations
 
 from tunegen.compiler import CompileJob, compile_many
-from tunegen.families import decode, prefill
+from tunegen.families import backward, decode, prefill
 from tunegen.gpu import Gpu
 from tunegen.problem import Problem
 from tunegen.render import render
@@ -68,3 +68,30 @@ def test_default_variants_compile_and_oversized_ones_are_caught():
         assert report.error is None, (job.rendered.source.splitlines()[3], report.error)
         assert 0 < report.shared_bytes <= limit
     assert reports[-1].shared_bytes > TARGETS["hopper"].smem_per_block
+
+
+def test_backward_kernels_compile_for_hopper():
+    """The backward's preprocess, dK/dV and dQ kernels (dQ separate and by atomics; GQA, varlen,
+    padded head dims, float32) compile for sm_90 within its shared memory."""
+    gpu = TARGETS["hopper"]
+    family = backward.FAMILY
+    cases = [  # dtype, head dim, causal, varlen, dq_mode, kernels
+        ("bfloat16", 128, True, False, "separate", ("preprocess", "dkdv", "dq")),
+        ("float16", 80, True, True, "atomic", ("dkdv",)),
+        ("float32", 64, False, True, "separate", ("dq",)),
+        ("bfloat16", 256, False, False, "separate", ("dkdv",)),
+    ]
+    jobs = []
+    for dtype, d, causal, varlen, dq_mode, kernels in cases:
+        problem = Problem("backward", dtype, d, causal, 32, 8, 2, 4096, 4096, varlen=varlen)
+        variant = family.default_variant(problem, gpu)
+        if dq_mode == "atomic":
+            variant = variant.replace(
+                dq_mode=dq_mode, dq_block_m=variant.dkdv_block_m, dq_block_n=variant.dkdv_block_n
+            )
+        assert family.constraint(variant, problem, gpu) is None
+        rendered = render(family.template, "backward", variant, family.features(problem, gpu))
+        jobs += [CompileJob(rendered, dtype, gpu.capability, kernel) for kernel in kernels]
+    for job, report in zip(jobs, compile_many(jobs, workers=2), strict=True):
+        assert report.error is None, (job.kernel, job.rendered.source.splitlines()[3], report.error)
+        assert 0 < report.shared_bytes <= gpu.smem_per_block

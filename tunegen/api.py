@@ -38,8 +38,18 @@ def backend_for(device: torch.device, strict: bool | None = None) -> str:
     return "torch"
 
 
-def _fallback_dtype(dtype: torch.dtype) -> torch.dtype:
+def fallback_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What the PyTorch fallback computes in: float32, or float64 for float64 inputs."""
     return torch.float32 if dtype != torch.float64 else torch.float64
+
+
+def wants_grad(q: object, k: object, v: object) -> bool:
+    """Whether autograd records and q, k or v requires grad (about 0.3 µs; arguments that are not
+    tensors are left to the checks)."""
+    try:
+        return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    except AttributeError:
+        return False
 
 
 def attention_eager(
@@ -90,7 +100,7 @@ def attention_eager(
     batch, heads, seqlen_q, _ = q.shape
     if backend == "torch":
         out, lse = attention_reference(
-            q, k, v, causal=causal, scale=scale, compute_dtype=_fallback_dtype(q.dtype)
+            q, k, v, causal=causal, scale=scale, compute_dtype=fallback_dtype(q.dtype)
         )
         out = out.to(q.dtype)
         return (out, lse.float()) if return_lse else out
@@ -172,7 +182,7 @@ def attention_varlen_eager(
             cu_seqlens_k,
             causal=causal,
             scale=scale,
-            compute_dtype=_fallback_dtype(q.dtype),
+            compute_dtype=fallback_dtype(q.dtype),
         )
         out = out.to(q.dtype)
         return (out, lse.float()) if return_lse else out
@@ -267,12 +277,19 @@ def attention(
     defaults to 1/sqrt(head_dim). With `return_lse`, also returns the natural-log
     log-sum-exp (batch, heads, seqlen_q) in float32. `strict` (default: TUNEGEN_STRICT)
     makes any path other than a Triton kernel an error. Under torch.compile the call is the
-    custom op `torch.ops.tunegen.attention`.
+    custom op `torch.ops.tunegen.attention`. Differentiable: when autograd records and q, k or v
+    requires grad, the backward family's kernels give their gradients (and the log-sum-exp's).
     """
     if torch.compiler.is_compiling():
         checks.check_attention(q, k, v)
         resolved = checks.check_scale(scale, q.shape[-1])
-        out, lse = torch.ops.tunegen.attention(q, k, v, bool(causal), resolved, bool(return_lse))
+        keep_lse = bool(return_lse) or wants_grad(q, k, v)
+        out, lse = torch.ops.tunegen.attention(q, k, v, bool(causal), resolved, keep_lse)
+        return (out, lse) if return_lse else out
+    if wants_grad(q, k, v):
+        from tunegen.backward import AttentionFunction  # tunegen.backward builds on this module
+
+        out, lse = AttentionFunction.apply(q, k, v, bool(causal), scale, strict)
         return (out, lse) if return_lse else out
     return attention_eager(q, k, v, causal=causal, scale=scale, return_lse=return_lse, strict=strict)
 
@@ -297,7 +314,7 @@ def attention_varlen(
     tensors; `max_seqlen_q`/`max_seqlen_k` bound their lengths. The offsets are read once to be
     checked (a device-to-host copy on GPU), except while a CUDA graph is being captured. With
     `return_lse`, also returns the log-sum-exp (heads, total_q) in float32. Under torch.compile
-    the call is the custom op `torch.ops.tunegen.attention_varlen`.
+    the call is the custom op `torch.ops.tunegen.attention_varlen`. Differentiable, as `attention`.
     """
     if torch.compiler.is_compiling():
         checks.check_attention_varlen(
@@ -314,8 +331,14 @@ def attention_varlen(
             max_seqlen_k,
             bool(causal),
             resolved,
-            bool(return_lse),
+            bool(return_lse) or wants_grad(q, k, v),
         )
+        return (out, lse) if return_lse else out
+    if wants_grad(q, k, v):
+        from tunegen.backward import AttentionVarlenFunction  # tunegen.backward builds on this module
+
+        sizes = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        out, lse = AttentionVarlenFunction.apply(q, k, v, *sizes, bool(causal), scale, strict)
         return (out, lse) if return_lse else out
     return attention_varlen_eager(
         q,

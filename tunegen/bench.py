@@ -278,3 +278,18 @@ def bench_cases(
                 on_row(row)
         torch.cuda.empty_cache()
     return rows
+
+
+def backward_suite(
+    seqlens: Sequence[int] = (512, 1024, 2048, 4096, 8192, 16384),
+    head_dims: Sequence[int] = (64, 128, 256),
+    causal: Sequence[bool] = (False, True),
+    tokens: int = 16384,
+    hidden: int = 2048,
+    kv_heads: int | None = None,
+    dtype: str = "bfloat16",
+) -> list[Problem]:
+    """The prefill suite's shapes as backward Problems, for `bench_cases` (TFLOP/s counted as 2.5
+    times the forward's FLOPs; peers: the SDPA backends' backward and FlexAttention's)."""
+    shapes = prefill_suite(seqlens, head_dims, causal, tokens, hidden, kv_heads)
+    return [dataclasses.replace(s.problem(dtype), family="backward") for s in shapes]

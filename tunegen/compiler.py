@@ -29,9 +29,13 @@ class CompileReport:
 
 @dataclasses.dataclass(frozen=True)
 class CompileJob:
+    """One kernel of a rendered module for one target: the module's KERNEL, or with `kernel` the
+    one its KERNELS names (templates with several kernels, such as the backward's)."""
+
     rendered: Rendered
     dtype: str
     capability: tuple[int, int]
+    kernel: str | None = None
 
 
 def compile_for(job: CompileJob) -> CompileReport:
@@ -42,16 +46,21 @@ def compile_for(job: CompileJob) -> CompileReport:
 
     try:
         module = load(job.rendered, interpret=False)
-        types, constexprs = module.signature(TRITON_DTYPES[job.dtype])
+        if job.kernel is None:
+            kernel = module.KERNEL
+            types, constexprs = module.signature(TRITON_DTYPES[job.dtype])
+        else:
+            kernel = module.KERNELS[job.kernel]
+            types, constexprs = module.signature(TRITON_DTYPES[job.dtype], job.kernel)
         # As a launch on 16-byte aligned tensors would: pointers and strides divisible by 16,
         # which is what lets Triton pipeline the loads (and what sizes shared memory).
         aligned = [
             (i,)
-            for i, name in enumerate(module.KERNEL.arg_names)
+            for i, name in enumerate(kernel.arg_names)
             if name.startswith("stride_") or types[name].startswith("*")
         ]
         attrs = {index: [["tt.divisibility", 16]] for index in aligned}
-        source = ASTSource(module.KERNEL, types, constexprs=constexprs, attrs=attrs)
+        source = ASTSource(kernel, types, constexprs=constexprs, attrs=attrs)
         arch = job.capability[0] * 10 + job.capability[1]
         options = {"num_warps": module.NUM_WARPS, "num_stages": module.NUM_STAGES}
         compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)

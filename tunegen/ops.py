@@ -1,12 +1,12 @@
 """tunegen's functions as PyTorch custom ops (`torch.ops.tunegen.*`), with fake-tensor shapes,
 so `torch.compile(fullgraph=True)` traces a call as one opaque op instead of breaking the graph
-on its Python checks and dispatch."""
+on its Python checks and dispatch; each forward op registers its backward op for autograd."""
 
 from __future__ import annotations
 
 import torch
 
-from tunegen import api
+from tunegen import api, backward
 
 
 @torch.library.custom_op("tunegen::attention", mutates_args=())
@@ -51,3 +51,85 @@ def attention_varlen_op(
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, return_lse):
     lse_shape = (q.shape[1], q.shape[0]) if return_lse else (0,)
     return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("tunegen::attention_backward", mutates_args=())
+def attention_backward_op(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients (dq, dk, dv) of attention() from its output's and log-sum-exp's gradients."""
+    return backward.attention_backward_eager(dout, q, k, v, out, lse, dlse, causal=causal, scale=scale)
+
+
+@attention_backward_op.register_fake
+def _(dout, q, k, v, out, lse, dlse, causal, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+@torch.library.custom_op("tunegen::attention_varlen_backward", mutates_args=())
+def attention_varlen_backward_op(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients (dq, dk, dv) of attention_varlen()."""
+    sizes = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return backward.attention_varlen_backward_eager(
+        dout, q, k, v, out, lse, dlse, *sizes, causal=causal, scale=scale
+    )
+
+
+@attention_varlen_backward_op.register_fake
+def _(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _keep_for_backward(ctx, inputs, output) -> None:
+    """Save q, k, v (and the varlen offsets), the output and the log-sum-exp; the rest as is."""
+    q, k, v, *rest = inputs
+    out, lse = output
+    tensors = [t for t in rest if isinstance(t, torch.Tensor)]
+    ctx.save_for_backward(q, k, v, out, lse, *tensors)
+    ctx.rest = [a for a in rest if not isinstance(a, torch.Tensor)]
+
+
+def _attention_grads(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    causal, scale, _ = ctx.rest
+    if lse.numel() == 0:  # called without the log-sum-exp (return_lse=False): compute it again
+        out, lse = attention_op(q, k, v, causal, scale, True)
+        dlse = None
+    return (*attention_backward_op(dout, q, k, v, out, lse, dlse, causal, scale), None, None, None)
+
+
+def _attention_varlen_grads(ctx, dout, dlse):
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    max_seqlen_q, max_seqlen_k, causal, scale, _ = ctx.rest
+    sizes = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if lse.numel() == 0:  # called without the log-sum-exp (return_lse=False): compute it again
+        out, lse = attention_varlen_op(q, k, v, *sizes, causal, scale, True)
+        dlse = None
+    grads = attention_varlen_backward_op(dout, q, k, v, out, lse, dlse, *sizes, causal, scale)
+    return (*grads, *(None,) * 7)
+
+
+attention_op.register_autograd(_attention_grads, setup_context=_keep_for_backward)
+attention_varlen_op.register_autograd(_attention_varlen_grads, setup_context=_keep_for_backward)

@@ -1,9 +1,9 @@
 """Kernel families: each has one template, one Variant space, one launcher and one reference."""
 
-from tunegen.families import decode, prefill
+from tunegen.families import backward, decode, prefill
 from tunegen.families.base import Family
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (prefill.FAMILY, decode.FAMILY)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (prefill.FAMILY, decode.FAMILY, backward.FAMILY)}
 
 
 def get(name: str) -> Family:

@@ -1,0 +1,129 @@
+"""The backward family's tuning case: fresh random q, k, v and output gradient, the forward's output
+and log-sum-exp from a float64 reference, the kernel's launch into gradients poisoned with NaN,
+their float64 check, and as peers the backward of SDPA's backends and of FlexAttention (the
+issue's yardstick for the backward)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from tunegen.families.base import Case, Kernel
+from tunegen.problem import TORCH_DTYPES, Problem
+from tunegen.reference import causal_mask
+
+Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+CHUNK_ELEMENTS = 2**24  # score elements per float64 step of the reference
+
+
+def reference_backward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention's output, log-sum-exp and gradients (dq, dk, dv) over (B, H, N, D) tensors in
+    float64, a few query rows at a time so that no B x H x Nq x Nk matrix is ever held; dk and
+    dv are summed over each GQA group."""
+    batch, hq, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    group = hq // hkv
+    qd, dod = q.double(), dout.double()
+    kd, vd = (t.double().repeat_interleave(group, dim=1) for t in (k, v))
+    out, dq = torch.empty_like(qd), torch.empty_like(qd)
+    lse = torch.empty(qd.shape[:3], dtype=torch.float64, device=q.device)
+    dk, dv = torch.zeros_like(kd), torch.zeros_like(vd)
+    keep = causal_mask(nq, nk, q.device) if causal else None
+    rows = max(1, CHUNK_ELEMENTS // (batch * hq * nk))
+    for r0 in range(0, nq, rows):
+        r = slice(r0, r0 + rows)
+        s = torch.matmul(qd[:, :, r], kd.transpose(-1, -2)) * scale
+        if keep is not None:
+            s.masked_fill_(~keep[r], float("-inf"))
+        lse[:, :, r] = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - lse[:, :, r, None]).nan_to_num_(0.0)
+        out[:, :, r] = torch.matmul(p, vd)
+        delta = (dod[:, :, r] * out[:, :, r]).sum(-1, keepdim=True)
+        ds = p * (torch.matmul(dod[:, :, r], vd.transpose(-1, -2)) - delta)
+        dq[:, :, r] = torch.matmul(ds, kd) * scale
+        dk += torch.matmul(ds.transpose(-1, -2), qd[:, :, r]) * scale
+        dv += torch.matmul(p.transpose(-1, -2), dod[:, :, r])
+    dk, dv = (t.view(batch, hkv, group, nk, d).sum(2) for t in (dk, dv))
+    return out, lse, dq, dk, dv
+
+
+def grads_error(got: Grads, ref: Grads) -> float:
+    """The largest relative error ‖g − ref‖/‖ref‖ of dq, dk, dv (NaN when any was left unwritten)."""
+    worst = 0.0
+    for g, r in zip(got, ref, strict=True):
+        if torch.isnan(g).any():
+            return float("nan")
+        worst = max(worst, float((g.double() - r).norm() / r.norm().clamp_min(1e-300)))
+    return worst
+
+
+def backward_peer(
+    make_forward: Callable[[], Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor,
+) -> Callable[[], Grads]:
+    """A call that runs only the backward of a peer's forward at (q, k, v) for the output gradient
+    `dout`. The forward is made and run on the first call (so unused peers cost nothing), and its
+    graph is kept for every later call."""
+    graph: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+
+    def run() -> Grads:
+        if not graph:
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            with torch.enable_grad():
+                graph.append((make_forward()(*leaves), leaves))
+        out, leaves = graph[0]
+        dq, dk, dv = torch.autograd.grad(out, leaves, dout, retain_graph=True)
+        return dq, dk, dv
+
+    return run
+
+
+def backward_case(problem: Problem, kernel: Kernel | None, device: torch.device, seed: int) -> Case:
+    gen = torch.Generator().manual_seed(seed)
+    dtype = TORCH_DTYPES[problem.dtype]
+    b, nq, nk, d = problem.batch, problem.seqlen_q, problem.seqlen_k, problem.head_dim
+    hq, hkv = problem.num_heads_q, problem.num_heads_kv
+    q, k, v, dout = (
+        torch.randn(b, h, n, d, generator=gen).to(device, dtype)
+        for h, n in ((hq, nq), (hkv, nk), (hkv, nk), (hq, nq))
+    )
+    scale = d**-0.5
+    out64, lse64, *ref = reference_backward(q, k, v, dout, causal=problem.causal, scale=scale)
+    out, lse = out64.to(dtype), lse64.float()
+    grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+
+    launch = None
+    if kernel is not None and problem.varlen:
+        pack = lambda t: t.transpose(1, 2).reshape(-1, t.shape[1], d)
+        packed = [pack(t) for t in (q, k, v, out, dout, *grads)]
+        lse_packed = lse.transpose(0, 1).reshape(hq, b * nq)
+        cu_q = torch.arange(0, (b + 1) * nq, nq, dtype=torch.int32, device=device)
+        cu_k = torch.arange(0, (b + 1) * nk, nk, dtype=torch.int32, device=device)
+        launch = lambda: kernel.launch(*packed[:5], lse_packed, None, *packed[5:], scale, cu_q, cu_k, nq, nk)
+        grads = tuple(t.view(b, -1, t.shape[1], d).transpose(1, 2) for t in packed[5:])
+    elif kernel is not None:
+        launch = lambda: kernel.launch(q, k, v, out, dout, lse, None, *grads, scale)
+
+    peers = {}
+    if device.type == "cuda" and not problem.varlen:
+        from tunegen import peers as peer_impls
+
+        makers = {
+            name: lambda name=name: peer_impls.sdpa(name, problem.causal)
+            for name in ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient")
+        }
+        if "flex" in peer_impls.available():
+            makers["flex"] = lambda: peer_impls.flex(problem.causal, (b, hq, nq, d), device)
+        peers = {name: backward_peer(make, q, k, v, dout) for name, make in makers.items()}
+    return Case(
+        launch=launch,
+        error=lambda: grads_error(grads, ref),
+        peers=peers,
+        peer_error=lambda got: grads_error(got, ref),
+    )
