@@ -83,13 +83,15 @@ def test_attention_gradients_match_float64(device, dtype, causal, batch, hq, hkv
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_bfloat16_gradients(device, causal):
+@pytest.mark.parametrize(("nq", "nk", "d"), [(300, 300, 128), (257, 511, 256), (1000, 999, 64)])
+def test_bfloat16_gradients(device, causal, nq, nk, d):
+    """The GPU's dtype at the shapes its default Variants are chosen for (compiled, not interpreted)."""
     if device.type == "cpu":
         pytest.skip("bfloat16 tl.dot is emulated on the interpreter; the float16 and float32 tests cover it")
-    q, k, v, dout = qkv_dout(2, 8, 2, 300, 300, 128, torch.bfloat16, device, seed=5)
+    q, k, v, dout = qkv_dout(2, 8, 2, nq, nk, d, torch.bfloat16, device, seed=5)
     q, k, v = leaves(q, k, v)
     tunegen.attention(q, k, v, causal=causal).backward(dout)
-    forward = lambda q, k, v: attention_reference(q, k, v, causal=causal, scale=128**-0.5)
+    forward = lambda q, k, v: attention_reference(q, k, v, causal=causal, scale=d**-0.5)
     assert_grads((q.grad, k.grad, v.grad), reference_grads(forward, (q, k, v), dout), torch.bfloat16)
 
 

@@ -12,8 +12,8 @@ from tunegen.variant import Variant
 
 DQ_MODES = ("separate", "atomic")
 TILES = (16, 32, 64, 128, 256)
-# Past this many float32 accumulator values per thread a kernel cannot avoid spilling.
-MAX_ACCUMULATORS_PER_THREAD = 256
+# Float32 accumulator and score values per thread past which a pass spills registers.
+MAX_REGISTERS_PER_THREAD = 192
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,15 +92,18 @@ class BackwardFamily:
         """Why `variant` should not be compiled for `problem` on `gpu`; None if it may.
 
         Atomic Variants must name the dK/dV tiles as their dq tiles (which that mode does not use),
-        so the tuner never times one kernel twice. Shared memory: per pass, the resident tiles
-        plus `num_stages` buffers of the two walked tiles. Registers: the float32 accumulators
-        (dK and dV, or dQ) spread over the threads.
+        so the tuner never times one kernel twice. Shared memory, per pass: the resident tiles
+        plus `num_stages` buffers of the two walked tiles (and, with atomics, the transposed dS
+        and the float32 dQ tile). Registers, per pass: the float32 accumulators (dK and dV, or
+        dQ) and two score tiles spread over the threads; past 192 per thread ptxas spills
+        (calibrated on sm_90 compiles: 320 spilled 3.3 KB, 160 to 192 spilled at most 60 bytes).
         """
         try:
             self.check_variant(variant, problem, gpu)
         except ValueError as exc:
             return str(exc)
-        if variant.dq_mode == "atomic" and (variant.dq_block_m, variant.dq_block_n) != (
+        atomic = variant.dq_mode == "atomic"
+        if atomic and (variant.dq_block_m, variant.dq_block_n) != (
             variant.dkdv_block_m,
             variant.dkdv_block_n,
         ):
@@ -110,40 +113,43 @@ class BackwardFamily:
         d = block_d(problem.head_dim)
         size = 4 if problem.dtype == "float32" else 2
         passes = [("dK/dV", variant.dkdv_block_n, variant.dkdv_block_m, 2)]
-        if variant.dq_mode == "separate":
+        if not atomic:
             passes.append(("dQ", variant.dq_block_m, variant.dq_block_n, 1))
         threads = variant.num_warps * 32
         for name, resident, walked, accumulators in passes:
             smem = (2 * resident + variant.num_stages * 2 * walked) * d * size
+            if atomic:
+                smem += walked * resident * size + walked * d * 4
             if smem > gpu.smem_per_block:
                 return (
                     f"shared memory: the {name} pass needs about {smem} bytes, "
                     f"{gpu.name} has {gpu.smem_per_block} per block"
                 )
-            registers = accumulators * resident * d // threads
-            if registers > MAX_ACCUMULATORS_PER_THREAD:
-                return f"registers: the {name} pass holds {registers} accumulators per thread"
+            registers = (accumulators * resident * d + 2 * resident * walked) // threads
+            if registers > MAX_REGISTERS_PER_THREAD:
+                return f"registers: the {name} pass holds about {registers} float32 values per thread"
         return None
 
     def default_variant(self, problem: Problem, gpu: Gpu) -> BackwardVariant:
         """Hand-picked per GPU class and head dim until tuned Winners exist.
 
-        Hopper up to head dim 128 starts from the Triton fused-attention tutorial's H100 tiles
-        (32 x 128 for dK/dV, 128 x 32 for dQ, 4 warps, 5 stages); the rest are conservative
-        guesses that fit the shared memory of their class.
+        Hopper starts from the Triton fused-attention tutorial's H100 tiles (32 x 128 for dK/dV,
+        128 x 32 for dQ); at head dim 128 with 8 warps and 3 stages rather than its 4 and 5, which
+        spill 3.3 KB in the dK/dV kernel (ptxas on sm_90); one stage spills at head dim 256. The
+        rest are conservative choices that fit the shared memory and registers of their class.
         """
         d = block_d(problem.head_dim)
-        if gpu.arch == "interpreter":
-            return BackwardVariant(32, 32, 32, 32, num_warps=4, num_stages=1)
-        if problem.dtype == "float32":
+        if gpu.arch == "interpreter" or problem.dtype == "float32":
             return BackwardVariant(32, 32, 32, 32, num_warps=4, num_stages=1)
         if gpu.arch in ("hopper", "blackwell"):
-            if d <= 128:
+            if d <= 64:
                 return BackwardVariant(32, 128, 128, 32, num_warps=4, num_stages=5)
+            if d <= 128:
+                return BackwardVariant(32, 128, 128, 32, num_warps=8, num_stages=3)
             return BackwardVariant(32, 64, 64, 32, num_warps=8, num_stages=2)
         if d <= 128:
             return BackwardVariant(32, 64, 64, 32, num_warps=4, num_stages=2)
-        return BackwardVariant(32, 64, 64, 32, num_warps=8, num_stages=1)
+        return BackwardVariant(32, 64, 64, 32, num_warps=8, num_stages=2)
 
     def measure(self, problem: Problem) -> tuple[str, float]:
         """FLOPs as FlashAttention counts the backward: 2.5 times the forward's."""
