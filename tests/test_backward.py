@@ -335,3 +335,24 @@ def test_bad_gradients_are_rejected():
         torch.ops.tunegen.attention_backward(dout, q, k, v, out, lse[:, :1], None, False, 0.25)
     with pytest.raises(ValueError, match=r"k: the number of query heads \(2\) must be a multiple"):
         tunegen.attention(*leaves(q, k.expand(1, 3, 8, 16), v.expand(1, 3, 8, 16)))
+
+
+def test_command_line():
+    """`tunegen render backward` prints the three kernels; the benchmark suite is the prefill's,
+    and `tunegen bench backward` needs a GPU."""
+    from click.testing import CliRunner
+
+    from tunegen.bench import backward_suite
+    from tunegen.cli.main import main
+
+    result = CliRunner().invoke(main, ["render", "backward", "--head-dim", "80", "--causal", "--varlen"])
+    assert result.exit_code == 0, result.output
+    for kernel in ("attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq"):
+        assert f"def {kernel}(" in result.output
+    suite = backward_suite(seqlens=(1024, 16384), head_dims=(128,))
+    assert {(p.family, p.batch, p.num_heads_q, p.seqlen_q, p.causal) for p in suite} == {
+        ("backward", b, 16, n, c) for b, n in ((16, 1024), (1, 16384)) for c in (False, True)
+    }
+    if not torch.cuda.is_available():
+        result = CliRunner().invoke(main, ["bench", "backward"])
+        assert result.exit_code != 0 and "needs a CUDA GPU" in result.output
