@@ -106,16 +106,33 @@ def bench() -> None:
     """Time tunegen against its peers (SDPA backends, FlexAttention) on this GPU."""
 
 
-@bench.command("prefill")
-@click.option("--dtype", type=click.Choice(["bf16", "fp16"]), default="bf16", show_default=True)
-@click.option("--seqlens", callback=_parse_ints, default="512,1024,2048,4096,8192,16384", show_default=True)
-@click.option("--head-dims", callback=_parse_ints, default="64,128,256", show_default=True)
-@click.option("--causal", type=click.Choice(["both", "yes", "no"]), default="both", show_default=True)
-@click.option(
-    "--tokens", type=int, default=16384, show_default=True, help="Tokens per batch: B = tokens / N."
+_SUITE_OPTIONS = (
+    click.option("--dtype", type=click.Choice(["bf16", "fp16"]), default="bf16", show_default=True),
+    click.option(
+        "--seqlens", callback=_parse_ints, default="512,1024,2048,4096,8192,16384", show_default=True
+    ),
+    click.option("--head-dims", callback=_parse_ints, default="64,128,256", show_default=True),
+    click.option("--causal", type=click.Choice(["both", "yes", "no"]), default="both", show_default=True),
+    click.option(
+        "--tokens", type=int, default=16384, show_default=True, help="Tokens per batch: B = tokens / N."
+    ),
+    click.option("--hidden", type=int, default=2048, show_default=True, help="Hidden size: H = hidden / D."),
+    click.option(
+        "--kv-heads", type=int, default=None, help="Key/value heads (default: as many as query heads)."
+    ),
 )
-@click.option("--hidden", type=int, default=2048, show_default=True, help="Hidden size: H = hidden / D.")
-@click.option("--kv-heads", type=int, default=None, help="Key/value heads (default: as many as query heads).")
+
+
+def _suite_options(command):
+    """The FlashAttention papers' benchmark suite as options: dtype, lengths, head dims, causal,
+    tokens per batch, hidden size and KV heads (`tunegen.bench.prefill_suite`'s arguments)."""
+    for option in reversed(_SUITE_OPTIONS):
+        command = option(command)
+    return command
+
+
+@bench.command("prefill")
+@_suite_options
 @click.option(
     "--impl",
     "impls",
@@ -280,15 +297,7 @@ def _print_cases(rows: list[dict], title: str, columns: dict) -> None:
 
 
 @bench.command("backward")
-@click.option("--dtype", type=click.Choice(["bf16", "fp16"]), default="bf16", show_default=True)
-@click.option("--seqlens", callback=_parse_ints, default="512,1024,2048,4096,8192,16384", show_default=True)
-@click.option("--head-dims", callback=_parse_ints, default="64,128,256", show_default=True)
-@click.option("--causal", type=click.Choice(["both", "yes", "no"]), default="both", show_default=True)
-@click.option(
-    "--tokens", type=int, default=16384, show_default=True, help="Tokens per batch: B = tokens / N."
-)
-@click.option("--hidden", type=int, default=2048, show_default=True, help="Hidden size: H = hidden / D.")
-@click.option("--kv-heads", type=int, default=None, help="Key/value heads (default: as many as query heads).")
+@_suite_options
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None)
 def bench_backward(dtype, seqlens, head_dims, causal, tokens, hidden, kv_heads, output) -> None:
     """Backward (dQ, dK, dV): TFLOP/s, counted as 2.5x the forward's FLOPs, on the prefill suite;
