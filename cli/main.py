@@ -676,10 +676,11 @@ def show(db_url: str | None, winner_id: int) -> None:
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(["json"]),
+    type=click.Choice(["json", "python", "aot"]),
     default="json",
     show_default=True,
-    help="json: one readable file of winners per GPU.",
+    help="json: one readable file of winners per GPU (for `tunegen import`); python: a package that runs "
+    "them with torch and triton alone; aot: cubins with C launchers and a manifest (prefill).",
 )
 @click.option(
     "-o",
@@ -689,21 +690,39 @@ def show(db_url: str | None, winner_id: int) -> None:
     help="Folder to write into.",
 )
 @click.option("--gpu", "gpu_name", default=None, help="Only this GPU (its name).")
-@click.option("--family", default=None, help="Only this family.")
+@click.option("--family", "families", multiple=True, help="Only this family (repeatable).")
+@click.option("--package", default="tunegen_kernels", show_default=True, help="python: the package's name.")
+@click.option(
+    "--allow-mixed-gpus", is_flag=True, help="python, aot: one table may hold several GPUs' winners."
+)
 def export_winners(
-    db_url: str | None, fmt: str, output: Path, gpu_name: str | None, family: str | None
+    db_url: str | None,
+    fmt: str,
+    output: Path,
+    gpu_name: str | None,
+    families: tuple[str, ...],
+    package: str,
+    allow_mixed_gpus: bool,
 ) -> None:
-    """Export Winners so they can move to another machine (`tunegen import`)."""
-    from tunegen.tuning_db import export_documents
+    """Export Winners: to another machine, or to run without tunegen."""
+    from tunegen.export import export
 
     with _store(db_url, readonly=True) as store:
-        documents = export_documents(store, gpu_name=gpu_name, family=family)
-    if not documents:
-        raise click.ClickException("no winners to export")
-    output.mkdir(parents=True, exist_ok=True)
-    for name, document in documents.items():
-        (output / name).write_text(json.dumps(document, indent=1) + "\n")
-        click.echo(f"{output / name}: {len(document['winners'])} winners")
+        report = export(
+            store,
+            fmt,
+            output,
+            gpu_name=gpu_name,
+            families=families,
+            package=package,
+            allow_mixed_gpus=allow_mixed_gpus,
+        )
+    for path, count in report.written.items():
+        click.echo(f"{path}: {count} winners")
+    for skipped in report.skipped:
+        click.echo(
+            f"skipped {skipped.winner.family} {_problem_text(skipped.winner.problem)}: {skipped.reason}"
+        )
 
 
 @main.command("import")

@@ -88,6 +88,11 @@ def render(template: str, family: str, variant: Variant, features: dict[str, Any
     return Rendered(family=family, source=source, digest=digest)
 
 
+def render_text(template: str, **context: Any) -> str:
+    """Render a template that is not a kernel (the loader `tunegen export` writes, say)."""
+    return _environment().get_template(template).render(**context)
+
+
 def write(rendered: Rendered) -> Path:
     """Write the source into the cache (atomically; an existing file is already identical)."""
     folder = cache_dir()
