@@ -334,6 +334,83 @@ def bench_backward(dtype, seqlens, head_dims, causal, tokens, hidden, kv_heads, 
     )
 
 
+@bench.command("fp8")
+@click.option("--seqlens", callback=_parse_ints, default="1024,2048,4096,8192,16384", show_default=True)
+@click.option("--causal", type=click.Choice(["both", "yes", "no"]), default="both", show_default=True)
+@click.option(
+    "--tokens", type=int, default=16384, show_default=True, help="Prefill tokens per batch: B = tokens / N."
+)
+@click.option(
+    "--hidden", type=int, default=2048, show_default=True, help="Prefill hidden size: H = hidden / 128."
+)
+@click.option(
+    "--batches", callback=_parse_ints, default="1,16,64", show_default=True, help="Decode batch sizes."
+)
+@click.option("--cache-lengths", callback=_parse_ints, default="4096,32768", show_default=True)
+@click.option(
+    "--page-sizes",
+    callback=_parse_ints,
+    default="0,64",
+    show_default=True,
+    help="Decode cache layouts: 0 is contiguous, others paged with that many tokens a page.",
+)
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write the prefill rows, decode rows and speedups to this .json file.",
+)
+def bench_fp8(seqlens, causal, tokens, hidden, batches, cache_lengths, page_sizes, output) -> None:
+    """FP8 against bf16: D=128 prefill in TFLOP/s (tunegen bf16; FP8 on e4m3 inputs; FP8 from bf16
+    with the Hadamard rotation and quantization timed in; SDPA), and decode over an FP8 KV cache
+    against a bf16 one (32 query heads, 8 KV heads), each checked against float64 first."""
+    import dataclasses
+
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    from tunegen import bench as benchmarks
+
+    if not torch.cuda.is_available():
+        raise click.UsageError("bench needs a CUDA GPU: timings come from the GPU's clock")
+    causal_values = {"both": (False, True), "yes": (True,), "no": (False,)}[causal]
+    shapes = benchmarks.prefill_suite(seqlens, (128,), causal_values, tokens, hidden)
+    prefill_rows = benchmarks.bench_fp8_prefill(shapes)
+    decode_rows = benchmarks.bench_cases(benchmarks.fp8_decode_suite(batches, cache_lengths, page_sizes))
+    speedups = benchmarks.fp8_speedups(prefill_rows, decode_rows)
+    if output is not None:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        document = {
+            "prefill": [dataclasses.asdict(r) for r in prefill_rows],
+            "decode": decode_rows,
+            "speedups": speedups,
+        }
+        output.write_text(json.dumps(document, indent=1) + "\n")
+    console = Console(width=200)
+    names = list(dict.fromkeys(r.impl for r in prefill_rows))
+    table = Table(title=f"prefill D=128, TFLOP/s ({prefill_rows[0].gpu if prefill_rows else ''})")
+    for col in ("causal", "N", "B", "H", *names):
+        table.add_column(col, justify="right")
+    cells: dict[tuple, dict[str, str]] = {}
+    for r in prefill_rows:
+        cell = f"{r.tflops:.0f}" if r.tflops is not None else ("wrong" if r.note.startswith("wrong") else "-")
+        cells.setdefault((r.causal, r.seqlen, r.batch, r.heads), {})[r.impl] = cell
+    for key, row in cells.items():
+        table.add_row(*(str(x) for x in key), *(row.get(n, "") for n in names))
+    console.print(table)
+    table = Table(
+        title="FP8 against bf16 (prefill: tunegen-fp8 / tunegen-bf16; decode: time of bf16 / FP8 cache)"
+    )
+    for col in ("family", "shape", "fp8", "bf16", "unit", "speedup"):
+        table.add_column(col, justify="right")
+    for s in speedups:
+        fp8, bf16, speedup = (f"{s[n]:.4g}" if s[n] is not None else "-" for n in ("fp8", "bf16", "speedup"))
+        table.add_row(s["family"], s["shape"], fp8, bf16, s["unit"], speedup)
+    console.print(table)
+
+
 @main.command()
 @click.option(
     "--preset",
@@ -396,6 +473,11 @@ def bench_backward(dtype, seqlens, head_dims, causal, tokens, hidden, kv_heads, 
     is_flag=True,
     help="Tiny shapes under Triton's interpreter (the default without a GPU): checks the machinery.",
 )
+@click.option(
+    "--fp8",
+    is_flag=True,
+    help="FP8 Problems: prefill on e4m3 inputs (bf16 output), or decode over an e4m3 cache.",
+)
 @_db_option
 def tune(
     preset_names,
@@ -414,6 +496,7 @@ def tune(
     workers,
     trial_timeout,
     dry_run,
+    fp8,
     db_url,
 ) -> None:
     """Find the fastest correct Variant for each Problem on this GPU and record it as the Winner."""
@@ -436,6 +519,8 @@ def tune(
     if not models:
         models = [presets.preset("llama3-8b")]
     interpret = dry_run or not torch.cuda.is_available()
+    if fp8 and family not in ("prefill", "decode"):
+        raise click.BadParameter(f"FP8 applies to prefill and decode, not {family}", param_hint="--fp8")
     causal_values = {"both": (False, True), "yes": (True,), "no": (False,)}[causal]
     todo = presets.problems(
         models,
@@ -446,6 +531,7 @@ def tune(
         family=family,
         batches=batches,
         page_size=page_size,
+        fp8=fp8,
     )
     console = Console(width=200)
     if interpret:

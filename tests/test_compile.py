@@ -95,3 +95,28 @@ def test_backward_kernels_compile_for_hopper():
     for job, report in zip(jobs, compile_many(jobs, workers=2), strict=True):
         assert report.error is None, (job.kernel, job.rendered.source.splitlines()[3], report.error)
         assert 0 < report.shared_bytes <= gpu.smem_per_block
+
+
+def test_fp8_variants_compile_for_hopper_with_e4m3_tensor_cores():
+    """FP8 prefill runs its products as e4m3 wgmma on sm_90 (the second as bf16 with p_fp8 off),
+    for either layout of V and either load path; decode over an e4m3 cache compiles too."""
+    hopper = TARGETS["hopper"]
+    problem = Problem("prefill", "bfloat16", 128, True, 32, 8, 4, 4096, 4096, fp8=True, return_lse=True)
+    variants = [prefill.FAMILY.default_variant(problem, hopper)] + [
+        prefill.PrefillVariant(
+            block_m=128, block_n=64, num_warps=8, num_stages=3, load=load, v_trans=vt, p_fp8=pf
+        )
+        for load, vt, pf in (("ptr", False, True), ("desc", False, True), ("ptr", True, False))
+    ]
+    jobs = [_job(hopper, problem, variant) for variant in variants]
+    cache = Problem("decode", "bfloat16", 128, True, 32, 8, 16, 1, 4096, paged=True, page_size=64, fp8=True)
+    variant = decode.DecodeVariant(block_n=64, num_splits=4, num_warps=4, num_stages=2)
+    rendered = render(decode.FAMILY.template, "decode", variant, decode.FAMILY.features(cache, hopper))
+    jobs.append(CompileJob(rendered, "bfloat16", hopper.capability))
+    reports = compile_many(jobs, workers=2)
+    for job, report in zip(jobs, reports, strict=True):
+        assert report.error is None, (job.rendered.source.splitlines()[3], report.error)
+        assert 0 < report.shared_bytes <= hopper.smem_per_block
+    for variant, report in zip(variants, reports, strict=False):
+        assert any(m.startswith("wgmma") and m.endswith(".e4m3.e4m3") for m in report.mma), report.mma
+        assert any(m.endswith(".bf16.bf16") for m in report.mma) == (not variant.p_fp8), report.mma

@@ -64,6 +64,8 @@ TUNED = {
     "load": "desc",
     "order": "head_inner",
     "reverse_m": True,
+    "p_fp8": True,
+    "v_trans": False,
 }
 
 

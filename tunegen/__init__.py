@@ -3,11 +3,13 @@
 import tunegen
 out = tunegen.attention(q, k, v, causal=True)            # (batch, heads, seqlen, head_dim)
 out = tunegen.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k)   # packed sequences
+out = tunegen.attention(q, k, v, precision="fp8")        # FP8 with the Hadamard rotation
 """
 
 import tunegen.ops  # noqa: F401  (registers torch.ops.tunegen.*)
 from tunegen.api import FallbackError, attention, attention_varlen, explain
 from tunegen.decode import decode_attention
+from tunegen.fp8 import quantize_fp8
 from tunegen.kvcache import KVCache
 
 __version__ = "0.1.0"
@@ -20,4 +22,5 @@ __all__ = [
     "attention_varlen",
     "decode_attention",
     "explain",
+    "quantize_fp8",
 ]

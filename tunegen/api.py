@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from tunegen import checks, dispatch
+from tunegen import checks, dispatch, fp8_attention
 from tunegen.gpu import gpu_of
 from tunegen.problem import DTYPE_NAMES, Problem, bucket
 from tunegen.reference import attention_reference, attention_varlen_reference
@@ -268,6 +268,11 @@ def attention(
     scale: float | None = None,
     return_lse: bool = False,
     strict: bool | None = None,
+    precision: str | None = None,
+    hadamard: bool | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention over (batch, heads, seqlen, head_dim) tensors.
 
@@ -279,7 +284,27 @@ def attention(
     makes any path other than a Triton kernel an error. Under torch.compile the call is the
     custom op `torch.ops.tunegen.attention`. Differentiable: when autograd records and q, k or v
     requires grad, the backward family's kernels give their gradients (and the log-sum-exp's).
+
+    FP8 (not differentiable): `precision="fp8"` quantizes float16/bfloat16 q, k, v to float8
+    e4m3 with per-block scales, first rotating q and k by a Walsh-Hadamard matrix along head_dim
+    (`hadamard`, default True: QKᵀ is unchanged and outlier features spread out), and returns the
+    inputs' dtype. float8_e4m3fn q, k, v run as given, with FlashAttention-3's float32
+    `q_descale`, `k_descale`, `v_descale` (batch, kv_heads), None meaning 1 (q and k may also
+    take one per 128 rows, see `tunegen.quantize_fp8`), and return bfloat16.
     """
+    if fp8_attention.requested(q, precision, hadamard, (q_descale, k_descale, v_descale)):
+        return fp8_attention.attention_fp8(
+            q,
+            k,
+            v,
+            causal=causal,
+            scale=scale,
+            return_lse=return_lse,
+            strict=strict,
+            precision=precision,
+            hadamard=hadamard,
+            descales=(q_descale, k_descale, v_descale),
+        )
     if torch.compiler.is_compiling():
         checks.check_attention(q, k, v)
         resolved = checks.check_scale(scale, q.shape[-1])

@@ -19,10 +19,10 @@ import torch
 import triton
 
 import tunegen
-from tunegen import peers
+from tunegen import fp8, peers
 from tunegen.gpu import cuda_gpu
 from tunegen.problem import DTYPE_NAMES, Problem
-from tunegen.reference import TOLERANCE, sampled_error
+from tunegen.reference import FP8_TOLERANCE, TOLERANCE, sampled_error, tolerance
 from tunegen.timing import median_ms, rate
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -75,6 +75,37 @@ class Row:
     date: str
 
 
+def _row(
+    impl: str,
+    dtype: str,
+    shape: Shape,
+    ms: float | None,
+    tflops: float | None,
+    err: float | None,
+    note: str,
+    gpu: str,
+    date: str,
+) -> Row:
+    return Row(
+        impl,
+        dtype,
+        shape.batch,
+        shape.heads,
+        shape.kv_heads,
+        shape.seqlen,
+        shape.head_dim,
+        shape.causal,
+        ms,
+        tflops,
+        err,
+        note,
+        gpu,
+        triton.__version__,
+        torch.__version__,
+        date,
+    )
+
+
 def prefill_suite(
     seqlens: Sequence[int] = (512, 1024, 2048, 4096, 8192, 16384),
     head_dims: Sequence[int] = (64, 128, 256),
@@ -110,15 +141,15 @@ def _implementations(names: Iterable[str], shape: Shape, device: torch.device) -
 
 
 def _check_then_time(
-    call: Callable[[], Any], error_of: Callable[[Any], float], dtype: str
+    call: Callable[[], Any], error_of: Callable[[Any], float], bound: float
 ) -> tuple[float | None, float | None, str]:
-    """Run `call` once and check its output against float64; time it only if it is right.
+    """Run `call` once and check its error against float64 is within `bound`; time it only if so.
     Returns (median ms, relative error, note); a refusal or a wrong answer is the note."""
     try:
         out = call()
         torch.cuda.synchronize()
         err = error_of(out)
-        if not err <= TOLERANCE[dtype]:
+        if not err <= bound:
             return None, err, f"wrong: relative error {err:.2e}"
         return median_ms(call), err, ""
     except Exception as exc:  # a peer refusing a shape is a result, not a crash
@@ -168,27 +199,10 @@ def bench_prefill(
                     sampled_error, q=q, k=k, v=v, causal=shape.causal, scale=scale, generator=gen
                 )
                 ms, err, note = _check_then_time(
-                    functools.partial(fn, q, k, v), check, DTYPE_NAMES[torch_dtype]
+                    functools.partial(fn, q, k, v), check, TOLERANCE[DTYPE_NAMES[torch_dtype]]
                 )
                 tflops = rate("TFLOP/s", flops, ms) if ms else None
-            row = Row(
-                name,
-                dtype,
-                shape.batch,
-                shape.heads,
-                shape.kv_heads,
-                shape.seqlen,
-                shape.head_dim,
-                shape.causal,
-                ms,
-                tflops,
-                err,
-                note,
-                gpu.name,
-                triton.__version__,
-                torch.__version__,
-                today,
-            )
+            row = _row(name, dtype, shape, ms, tflops, err, note, gpu.name, today)
             rows.append(row)
             if on_row is not None:
                 on_row(row)
@@ -271,7 +285,7 @@ def bench_cases(
                 "torch": torch.__version__,
                 "date": datetime.date.today().isoformat(),
             }
-            row["ms"], row["rel_err"], row["note"] = _check_then_time(call, error, problem.dtype)
+            row["ms"], row["rel_err"], row["note"] = _check_then_time(call, error, tolerance(problem))
             row["rate"] = rate(unit, work, row["ms"]) if row["ms"] else None
             rows.append(row)
             if on_row is not None:
@@ -293,3 +307,117 @@ def backward_suite(
     times the forward's FLOPs; peers: the SDPA backends' backward and FlexAttention's)."""
     shapes = prefill_suite(seqlens, head_dims, causal, tokens, hidden, kv_heads)
     return [dataclasses.replace(s.problem(dtype), family="backward") for s in shapes]
+
+
+# FP8 prefill against the inputs it was quantized from: e4m3 keeps 3 mantissa bits, so on N(0,1)
+# inputs the error against float64 on the 16-bit values is about 5% (see benchmarks/fp8_accuracy.py).
+FP8_INPUT_TOLERANCE = 0.1
+
+
+def bench_fp8_prefill(
+    shapes: Sequence[Shape],
+    peer_names: Sequence[str] = ("sdpa-flash", "sdpa-cudnn"),
+    *,
+    seed: int = 0,
+    on_row: Callable[[Row], None] | None = None,
+) -> list[Row]:
+    """FP8 prefill against bf16, each checked then timed on the same inputs: tunegen bf16,
+    "tunegen-fp8" (e4m3 inputs quantized beforehand, FA3-style: checked against float64 on the
+    dequantized values), "tunegen-fp8-hadamard" (bf16 in, rotation and quantization included:
+    checked against the bf16 inputs within FP8's bounds) and the bf16 peers."""
+    device = torch.device("cuda")
+    gpu = cuda_gpu(torch.cuda.current_device())
+    today = datetime.date.today().isoformat()
+    rows: list[Row] = []
+    for shape in shapes:
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        q, k, v = (
+            torch.randn(shape.batch, h, shape.seqlen, shape.head_dim, generator=gen).to(
+                device, torch.bfloat16
+            )
+            for h in (shape.heads, shape.kv_heads, shape.kv_heads)
+        )
+        x = tunegen.quantize_fp8(q, k, v, hadamard=False)
+        values = [fp8.dequantize(t, s, torch.float32) for t, s in zip(x[:3], x[3:], strict=True)]
+        c, scale = shape.causal, shape.head_dim**-0.5
+        check_bf16 = functools.partial(sampled_error, q=q, k=k, v=v, causal=c, scale=scale, generator=gen)
+        check_fp8 = functools.partial(
+            sampled_error, q=values[0], k=values[1], v=values[2], causal=c, scale=scale, generator=gen
+        )
+        attend = functools.partial(tunegen.attention, causal=c, strict=True)
+        calls = {
+            "tunegen-bf16": ("bf16", functools.partial(attend, q, k, v), check_bf16, TOLERANCE["bfloat16"]),
+            "tunegen-fp8": ("fp8", functools.partial(attend, **x._asdict()), check_fp8, FP8_TOLERANCE),
+            "tunegen-fp8-hadamard": (
+                "fp8",
+                functools.partial(attend, q, k, v, precision="fp8"),
+                check_bf16,
+                FP8_INPUT_TOLERANCE,
+            ),
+        }
+        for name in peer_names:
+            fn = peers.sdpa(name, c)
+            calls[name] = ("bf16", functools.partial(fn, q, k, v), check_bf16, TOLERANCE["bfloat16"])
+        for name, (dtype, call, check, bound) in calls.items():
+            ms, err, note = _check_then_time(call, check, bound)
+            tflops = rate("TFLOP/s", shape.problem("bfloat16").flops(), ms) if ms else None
+            row = _row(name, dtype, shape, ms, tflops, err, note, gpu.name, today)
+            rows.append(row)
+            if on_row is not None:
+                on_row(row)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def fp8_speedups(prefill_rows: Sequence[Row], decode_rows: Sequence[dict]) -> list[dict]:
+    """FP8 against bf16, per shape: prefill "tunegen-fp8" over "tunegen-bf16" TFLOP/s, and decode
+    over an FP8 cache against a bf16 cache (the same Problem but fp8), tunegen's time over time."""
+    out = []
+    prefill: dict[tuple, dict[str, Row]] = {}
+    for r in prefill_rows:
+        prefill.setdefault((r.batch, r.heads, r.seqlen, r.head_dim, r.causal), {})[r.impl] = r
+    for (batch, heads, seqlen, head_dim, causal), impls in prefill.items():
+        fast, base = impls.get("tunegen-fp8"), impls.get("tunegen-bf16")
+        out.append(
+            {
+                "family": "prefill",
+                "shape": f"B{batch} H{heads} N{seqlen} D{head_dim}" + (" causal" if causal else ""),
+                "fp8": fast.tflops if fast else None,
+                "bf16": base.tflops if base else None,
+                "unit": "TFLOP/s",
+                "speedup": fast.tflops / base.tflops
+                if fast and base and fast.tflops and base.tflops
+                else None,
+            }
+        )
+    decode: dict[tuple, dict[bool, dict]] = {}
+    for r in decode_rows:
+        if r["impl"] == "tunegen":
+            decode.setdefault((r["batch"], r["seqlen_k"], r["page_size"]), {})[r["fp8"]] = r
+    for (batch, length, page), by_fp8 in decode.items():
+        fast, base = by_fp8.get(True), by_fp8.get(False)
+        out.append(
+            {
+                "family": "decode",
+                "shape": f"B{batch} cache {length}" + (f" paged {page}" if page else ""),
+                "fp8": fast["ms"] if fast else None,
+                "bf16": base["ms"] if base else None,
+                "unit": "ms",
+                "speedup": base["ms"] / fast["ms"] if fast and base and fast["ms"] and base["ms"] else None,
+            }
+        )
+    return out
+
+
+def fp8_decode_suite(
+    batches: Sequence[int] = (1, 16, 64),
+    cache_lengths: Sequence[int] = (4096, 32768),
+    page_sizes: Sequence[int] = (0, 64),
+) -> list[Problem]:
+    """`decode_suite`'s Problems (Llama-3 8B's heads) over a bf16 cache, each followed by the same
+    over an FP8 cache."""
+    return [
+        p
+        for base in decode_suite(batches, cache_lengths, page_sizes=page_sizes)
+        for p in (base, dataclasses.replace(base, fp8=True))
+    ]

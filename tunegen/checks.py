@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Collection
 
 import torch
 
@@ -13,14 +14,19 @@ from tunegen.problem import DTYPE_NAMES
 MAX_HEAD_DIM = 256
 
 
-def tensor_arg(name: str, t: object, rank: int, layout: str) -> torch.Tensor:
-    """`t` if it is a non-empty floating tensor of `rank` dims with a unit last stride."""
+def tensor_arg(
+    name: str, t: object, rank: int, layout: str, dtypes: Collection[torch.dtype] = tuple(DTYPE_NAMES)
+) -> torch.Tensor:
+    """`t` if it is a non-empty tensor of one of `dtypes` (default: the floating ones kernels
+    take) with `rank` dims and a unit last stride."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor of shape {layout}, got {type(t).__name__}")
     if t.dim() != rank:
         raise ValueError(f"{name}: expected {rank} dimensions {layout}, got shape {tuple(t.shape)}")
-    if t.dtype not in DTYPE_NAMES:
-        raise ValueError(f"{name}: expected dtype float16, bfloat16 or float32, got {t.dtype}")
+    if t.dtype not in dtypes:
+        names = [str(d).removeprefix("torch.") for d in dtypes]
+        expected = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+        raise ValueError(f"{name}: expected dtype {expected}, got {t.dtype}")
     if t.numel() == 0:
         raise ValueError(f"{name}: every dimension must be non-zero, got shape {tuple(t.shape)}")
     if t.stride(-1) != 1:
@@ -31,12 +37,13 @@ def tensor_arg(name: str, t: object, rank: int, layout: str) -> torch.Tensor:
     return t
 
 
-def same_as_q(q: torch.Tensor, others: dict[str, torch.Tensor]) -> None:
-    """Each named tensor has q's device, dtype and head_dim; head_dim is at most 256."""
+def same_as_q(q: torch.Tensor, others: dict[str, torch.Tensor], *, dtype: bool = True) -> None:
+    """Each named tensor has q's device, dtype (unless `dtype` is False) and head_dim; head_dim is
+    at most 256."""
     for name, t in others.items():
         if t.device != q.device:
             raise ValueError(f"{name}: expected device {q.device} like q, got {t.device}")
-        if t.dtype != q.dtype:
+        if dtype and t.dtype != q.dtype:
             raise ValueError(f"{name}: expected dtype {q.dtype} like q, got {t.dtype}")
         if t.shape[-1] != q.shape[-1]:
             raise ValueError(f"{name}: expected head_dim {q.shape[-1]} like q, got {t.shape[-1]}")
@@ -55,10 +62,12 @@ def heads(hq: int, hk: int, hv: int, *, k_name: str = "k", v_name: str = "v") ->
         )
 
 
-def check_attention(q: object, k: object, v: object) -> None:
+def check_attention(
+    q: object, k: object, v: object, dtypes: Collection[torch.dtype] = tuple(DTYPE_NAMES)
+) -> None:
     """Check (batch, heads, seqlen, head_dim) inputs in scaled_dot_product_attention's layout."""
     layout = "(batch, heads, seqlen, head_dim)"
-    q, k, v = (tensor_arg(n, t, 4, layout) for n, t in (("q", q), ("k", k), ("v", v)))
+    q, k, v = (tensor_arg(n, t, 4, layout, dtypes) for n, t in (("q", q), ("k", k), ("v", v)))
     same_as_q(q, {"k": k, "v": v})
     for name, t in (("k", k), ("v", v)):
         if t.shape[0] != q.shape[0]:
@@ -132,6 +141,21 @@ def check_attention_varlen(
         max_name = "max_seqlen_q" if name == "cu_seqlens_q" else "max_seqlen_k"
         if max(lengths) > maximum:
             raise ValueError(f"{max_name}: a sequence has {max(lengths)} tokens, more than {maximum}")
+
+
+def descale_arg(
+    name: str, t: object, shapes: Collection[tuple[int, ...]], device: torch.device
+) -> torch.Tensor:
+    """`t` if it is a float32 tensor of descale factors with one of `shapes`, on `device`."""
+    expected = " or ".join(str(s) for s in shapes)
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+        got = f"{t.dtype} tensor" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name}: expected a float32 tensor of shape {expected}, got {got}")
+    if tuple(t.shape) not in shapes:
+        raise ValueError(f"{name}: expected shape {expected}, got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name}: expected device {device} like q, got {t.device}")
+    return t
 
 
 def check_scale(scale: object, head_dim: int) -> float:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import multiprocessing
+import re
 from collections.abc import Sequence
 
 from tunegen.render import Rendered, interpreting, load
@@ -20,11 +21,14 @@ TRITON_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 
 @dataclasses.dataclass(frozen=True)
 class CompileReport:
-    """What compiling one kernel for one target produced: shared memory or the compiler's error."""
+    """What compiling one kernel for one target produced: shared memory and the tensor-core
+    instructions in its PTX (whether FP8 products run as e4m3 wgmma, for one), or the
+    compiler's error."""
 
     capability: tuple[int, int]
     shared_bytes: int | None
     error: str | None = None
+    mma: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +70,8 @@ def compile_for(job: CompileJob) -> CompileReport:
         compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
     except Exception as exc:  # the compiler's verdict is the result
         return CompileReport(job.capability, None, f"{type(exc).__name__}: {exc}")
-    return CompileReport(job.capability, int(compiled.metadata.shared))
+    mma = tuple(sorted(set(re.findall(r"\b(?:wgmma\.mma_async|mma\.sync)[\w.]*", compiled.asm["ptx"]))))
+    return CompileReport(job.capability, int(compiled.metadata.shared), mma=mma)
 
 
 def compile_many(jobs: Sequence[CompileJob], workers: int | None = None) -> list[CompileReport]:

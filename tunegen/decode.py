@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tunegen import checks, dispatch
+from tunegen import checks, dispatch, fp8
 from tunegen.api import backend_for
 from tunegen.gpu import gpu_of
 from tunegen.problem import DTYPE_NAMES, Problem, bucket
@@ -26,17 +26,40 @@ def _int32(name: str, t: object, rank: int, what: str, device: torch.device) -> 
     return t
 
 
-def check_decode(q, k_cache, v_cache, cache_seqlens, k, v, block_table, *, read_lengths: bool) -> None:
-    """Check decode inputs; with `read_lengths`, also that the lengths and pages fit the cache."""
+def check_decode(
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    k,
+    v,
+    block_table,
+    *,
+    read_lengths: bool,
+    k_descale=None,
+    v_descale=None,
+) -> None:
+    """Check decode inputs; with `read_lengths`, also that the lengths and pages fit the cache.
+    A float8_e4m3fn cache takes 16-bit queries and optional descales (batch, kv_heads)."""
     q = checks.tensor_arg("q", q, 4, "(batch, nq, heads, head_dim)")
     layout = (
         "(pages, page_size, kv_heads, head_dim)"
         if block_table is not None
         else "(batch, slots, kv_heads, head_dim)"
     )
-    k_cache = checks.tensor_arg("k_cache", k_cache, 4, layout)
-    v_cache = checks.tensor_arg("v_cache", v_cache, 4, layout)
-    checks.same_as_q(q, {"k_cache": k_cache, "v_cache": v_cache})
+    fp8_cache = isinstance(k_cache, torch.Tensor) and k_cache.dtype == fp8.E4M3
+    cache_dtypes = (fp8.E4M3,) if fp8_cache else tuple(DTYPE_NAMES)
+    k_cache = checks.tensor_arg("k_cache", k_cache, 4, layout, cache_dtypes)
+    v_cache = checks.tensor_arg("v_cache", v_cache, 4, layout, cache_dtypes)
+    checks.same_as_q(q, {"k_cache": k_cache, "v_cache": v_cache}, dtype=not fp8_cache)
+    if fp8_cache and q.dtype == torch.float32:
+        raise ValueError("q: a float8_e4m3fn cache takes float16 or bfloat16 queries, got float32")
+    for name, descale in (("k_descale", k_descale), ("v_descale", v_descale)):
+        if descale is None:
+            continue
+        if not fp8_cache:
+            raise ValueError(f"{name}: descales apply to float8_e4m3fn caches; this cache is {k_cache.dtype}")
+        checks.descale_arg(name, descale, [(q.shape[0], k_cache.shape[2])], q.device)
     if v_cache.shape != k_cache.shape:
         raise ValueError(
             f"v_cache: expected shape {tuple(k_cache.shape)} like k_cache, got {tuple(v_cache.shape)}"
@@ -101,6 +124,7 @@ def check_decode(q, k_cache, v_cache, cache_seqlens, k, v, block_table, *, read_
 
 
 def _problem(q, k_cache, cache_seqlens, block_table, causal, return_lse) -> Problem:
+    """The decode Problem; an e4m3 cache makes it an fp8 one (dtype stays the query's)."""
     paged = block_table is not None
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     return Problem(
@@ -115,15 +139,19 @@ def _problem(q, k_cache, cache_seqlens, block_table, causal, return_lse) -> Prob
         seqlen_k=bucket(capacity),
         paged=paged,
         page_size=k_cache.shape[1] if paged else 0,
+        fp8=k_cache.dtype == fp8.E4M3,
         return_lse=bool(return_lse),
         aligned=False,
     )
 
 
-def _reference(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, scale):
-    """The PyTorch path: append in place, gather each sequence's keys, attend in float32."""
+def _reference(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, scale, descales):
+    """The PyTorch path: append in place (quantized for an e4m3 cache, whose `descales` are
+    (k_descale, v_descale)), gather each sequence's keys, attend in float32."""
     batch, nq = q.shape[0], q.shape[1]
     n_new = 0 if k is None else k.shape[1]
+    if descales and k is not None:
+        k, v = fp8.quantize_kv(k, descales[0]), fp8.quantize_kv(v, descales[1])
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full((batch, q.shape[2], nq), float("-inf"), device=q.device)
     for b, length in enumerate(cache_seqlens.tolist()):
@@ -140,6 +168,9 @@ def _reference(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, sc
         index = torch.tensor(slots, device=q.device)
         keys = k_cache[index[:, 0], index[:, 1]].transpose(0, 1)[None]
         values = v_cache[index[:, 0], index[:, 1]].transpose(0, 1)[None]
+        if descales:
+            keys = keys.float() * descales[0][b, None, :, None, None]
+            values = values.float() * descales[1][b, None, :, None, None]
         o, s = attention_reference(
             q[b].transpose(0, 1)[None], keys, values, causal=causal, scale=scale, compute_dtype=torch.float32
         )
@@ -161,6 +192,8 @@ def decode_attention(
     scale: float | None = None,
     return_lse: bool = False,
     strict: bool | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of a few new query tokens per sequence over a KV cache (`flash_attn_with_kvcache`).
 
@@ -172,14 +205,35 @@ def decode_attention(
     first (in place; the caller advances `cache_seqlens`). `causal` aligns bottom-right: query i
     of nq sees the cache up to its own position. Returns (batch, nq, heads, head_dim), and with
     `return_lse` the log-sum-exp (batch, heads, nq) in float32.
+
+    An FP8 cache (float8_e4m3fn k_cache/v_cache, half the bytes of bf16) takes float16 or
+    bfloat16 queries and new tokens, with `k_descale`/`v_descale` (batch, kv_heads) float32
+    (FlashAttention-3's names; None means 1): cached value = e4m3 value x descale. The kernel
+    widens the cache in registers; new tokens are divided by the descales and rounded to e4m3
+    (saturating at ±448) as they are appended.
     """
     capturing = (
         isinstance(q, torch.Tensor) and q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     )
-    check_decode(q, k_cache, v_cache, cache_seqlens, k, v, block_table, read_lengths=not capturing)
+    check_decode(
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        k,
+        v,
+        block_table,
+        read_lengths=not capturing,
+        k_descale=k_descale,
+        v_descale=v_descale,
+    )
     scale = checks.check_scale(scale, q.shape[-1])
+    descales = ()
+    if k_cache.dtype == fp8.E4M3:
+        ones = torch.ones((q.shape[0], k_cache.shape[2]), device=q.device, dtype=torch.float32)
+        descales = (ones if k_descale is None else k_descale, ones if v_descale is None else v_descale)
     if backend_for(q.device, strict) == "torch":
-        out, lse = _reference(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, scale)
+        out, lse = _reference(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, scale, descales)
         return (out, lse) if return_lse else out
     out = torch.empty_like(q)
     lse = (
@@ -189,5 +243,5 @@ def decode_attention(
     )
     problem = _problem(q, k_cache, cache_seqlens, block_table, causal, return_lse)
     kernel = dispatch.kernel_for(problem, gpu_of(q.device))
-    kernel.launch(q, k_cache, v_cache, cache_seqlens, out, lse, scale, block_table, k, v)
+    kernel.launch(q, k_cache, v_cache, cache_seqlens, out, lse, scale, block_table, k, v, *descales)
     return (out, lse) if return_lse else out

@@ -1,7 +1,9 @@
 """KVCache: a preallocated key/value cache for model code, contiguous or paged, that
 `tunegen.decode_attention` reads in place. It never grows by concatenation: a contiguous cache
 holds `capacity` slots per sequence; a paged cache hands out fixed-size pages from a pool as
-sequences grow and takes them back on reset."""
+sequences grow and takes them back on reset. An FP8 cache (dtype float8_e4m3fn) stores half the
+bytes of bf16, with one descale per (layer, sequence, KV head) set from each sequence's first
+append and applied by the kernels."""
 
 from __future__ import annotations
 
@@ -9,7 +11,12 @@ import dataclasses
 
 import torch
 
-from tunegen.decode import decode_attention
+from tunegen import fp8
+from tunegen.decode import check_decode, decode_attention
+
+# An FP8 cache's scales let values reach this multiple of the largest magnitude in a sequence's
+# first append before they saturate at e4m3's ±448.
+FP8_HEADROOM = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +38,11 @@ class KVCache:
     and pages given out as sequences grow (`num_pages` defaults to enough for every sequence
     to reach `capacity`). Every layer of a sequence grows together: attend each layer, then
     `advance` once per step.
+
+    dtype float8_e4m3fn makes an FP8 cache: queries and new tokens stay 16-bit, the cache holds
+    e4m3 values and `k_descale`/`v_descale` (layers, batch, kv_heads) float32. A sequence's first
+    append (after creation or `reset`) sets its descales so that FP8_HEADROOM times the largest
+    magnitude of those tokens per head maps to 448; later tokens are quantized with them.
     """
 
     def __init__(
@@ -75,6 +87,10 @@ class KVCache:
             self._free = list(range(num_pages - 1, -1, -1))
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.fp8 = dtype == fp8.E4M3
+        if self.fp8:
+            self.k_descale = torch.ones((num_layers, batch, kv_heads), dtype=torch.float32, device=device)
+            self.v_descale = torch.ones_like(self.k_descale)
 
     def lengths(self) -> list[int]:
         """Tokens cached per sequence (kept on the host: no device read)."""
@@ -120,6 +136,17 @@ class KVCache:
             raise ValueError(f"layer: expected 0 to {self.num_layers - 1}, got {layer}")
         if k is not None:
             self.reserve(k.shape[1])
+        descales = {}
+        if self.fp8:
+            fresh = [b for b, n in enumerate(self._lengths) if n == 0]
+            if fresh and k is not None:
+                check_decode(
+                    q, self.k[layer], self.v[layer], self.seqlens, k, v, self.block_table, read_lengths=False
+                )
+                rows = torch.tensor(fresh, device=self.k_descale.device)
+                self.k_descale[layer, rows] = fp8.calibrate_kv(k[rows], FP8_HEADROOM)
+                self.v_descale[layer, rows] = fp8.calibrate_kv(v[rows], FP8_HEADROOM)
+            descales = {"k_descale": self.k_descale[layer], "v_descale": self.v_descale[layer]}
         return decode_attention(
             q,
             self.k[layer],
@@ -130,6 +157,7 @@ class KVCache:
             block_table=self.block_table,
             causal=causal,
             scale=scale,
+            **descales,
         )
 
     def advance(self, new_tokens: int) -> None:
@@ -153,6 +181,8 @@ class KVCache:
         per_token = 2 * self.num_layers * self.k.shape[-2] * self.k.shape[-1] * self.k.element_size()
         tokens = sum(self._lengths)
         allocated = 2 * self.k.numel() * self.k.element_size()
+        if self.fp8:
+            allocated += 2 * self.k_descale.numel() * self.k_descale.element_size()
         if self.block_table is None:
             return CacheMemory(allocated, tokens * per_token, tokens)
         used = sum(len(p) for p in self._pages)

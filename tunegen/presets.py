@@ -60,9 +60,11 @@ def problems(
     family: str = "prefill",
     batches: tuple[int, ...] = (1, 16, 64),
     page_size: int = 0,
+    fp8: bool = False,
 ) -> list[Problem]:
     """Prefill Problems for each model, causal setting and sequence length, `tokens` per batch;
-    or decode Problems (one query token) for each model, batch size and cache length."""
+    or decode Problems (one query token) for each model, batch size and cache length. With
+    `fp8`: FP8 prefill (bfloat16 output, whatever `dtype` says) or an FP8 KV cache."""
     out = []
     if family == "decode":
         for model in models:
@@ -81,6 +83,7 @@ def problems(
                             seqlen_k=bucket(n),
                             paged=page_size > 0,
                             page_size=page_size,
+                            fp8=fp8,
                         )
                     )
         return list(dict.fromkeys(out))
@@ -91,7 +94,7 @@ def problems(
                 out.append(
                     Problem(
                         family=family,
-                        dtype=dtype,
+                        dtype="bfloat16" if fp8 else dtype,
                         head_dim=model.head_dim,
                         causal=c,
                         num_heads_q=model.heads,
@@ -99,6 +102,7 @@ def problems(
                         batch=bucket(b, floor=1),
                         seqlen_q=bucket(n),
                         seqlen_k=bucket(n),
+                        fp8=fp8,
                     )
                 )
     return list(dict.fromkeys(out))

@@ -44,6 +44,8 @@ class Problem:
     varlen: bool = False
     paged: bool = False
     page_size: int = 0
+    # float8 e4m3 operands with float32 descales (prefill: q, k, v; decode: the KV cache); dtype
+    # is then the output's (prefill: bfloat16) or the query's (decode).
     fp8: bool = False
     return_lse: bool = False
     aligned: bool = True

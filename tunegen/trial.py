@@ -16,7 +16,7 @@ import torch
 from tunegen.families import base, get
 from tunegen.gpu import gpu_of
 from tunegen.problem import Problem
-from tunegen.reference import TOLERANCE
+from tunegen.reference import tolerance
 
 
 def _device(payload: dict[str, Any]) -> torch.device:
@@ -67,7 +67,7 @@ def evaluate_task(payload: dict[str, Any]) -> dict[str, Any]:
     case.launch()
     _sync(payload)
     err = case.error()
-    if not err <= TOLERANCE[problem.dtype]:
+    if not err <= tolerance(problem):
         return {
             "status": "wrong",
             "reason": f"relative error {err:.3g} against float64 (NaN: unwritten)",
@@ -90,7 +90,7 @@ def peers_task(payload: dict[str, Any]) -> dict[str, Any]:
             _sync(payload)
         except Exception:  # this backend refuses the shape
             continue
-        if not case.peer_error(out) <= TOLERANCE[problem.dtype]:
+        if not case.peer_error(out) <= tolerance(problem):
             continue
         ms = median_ms(call, payload["backend"])
         if best is None or ms < best[0]:

@@ -55,11 +55,18 @@ class DecodeFamily:
             "page_size": problem.page_size,
             "return_lse": problem.return_lse,
             "upcast": gpu.backend == "interpreter" and problem.dtype == "bfloat16",
+            "fp8": problem.fp8,
+            "emulate_fp8": gpu.backend == "interpreter" and problem.fp8,
         }
 
     def check_variant(self, variant: Variant, problem: Problem, gpu: Gpu) -> None:
         if not isinstance(variant, DecodeVariant):
             raise ValueError(f"variant: expected a DecodeVariant, got {type(variant).__name__}")
+        if problem.fp8 and gpu.backend == "cuda" and gpu.capability < (8, 9):
+            raise ValueError(
+                f"problem.fp8: e4m3 caches need compute capability 8.9 or newer, "
+                f"{gpu.name} has {gpu.capability}"
+            )
         if problem.paged and problem.page_size % variant.block_n:
             raise ValueError(
                 f"variant.block_n: {variant.block_n} must divide the page size {problem.page_size} "
@@ -103,7 +110,7 @@ class DecodeFamily:
 
     def measure(self, problem: Problem) -> tuple[str, float]:
         """Bytes of K and V read: each cached token's keys and values once."""
-        size = {"float16": 2, "bfloat16": 2, "float32": 4}[problem.dtype]
+        size = 1 if problem.fp8 else {"float16": 2, "bfloat16": 2, "float32": 4}[problem.dtype]
         return "GB/s", 2.0 * problem.batch * problem.seqlen_k * problem.num_heads_kv * problem.head_dim * size
 
     def case(self, problem: Problem, kernel: Any, device: Any, seed: int) -> Any:

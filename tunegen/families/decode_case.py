@@ -1,10 +1,13 @@
 """The decode family's tuning case: a full cache of random tokens (contiguous, or paged in
-shuffled pages), launch, float64 check, SDPA peers for one-token decode on contiguous caches."""
+shuffled pages), launch, float64 check, SDPA peers for one-token decode on contiguous caches.
+An fp8 cache holds the tokens quantized per (sequence, KV head); the check and the peers use
+the dequantized values."""
 
 from __future__ import annotations
 
 import torch
 
+from tunegen import fp8
 from tunegen.families.base import Case, Kernel
 from tunegen.problem import TORCH_DTYPES, Problem
 from tunegen.reference import attention_reference
@@ -21,15 +24,24 @@ def decode_case(problem: Problem, kernel: Kernel | None, device: torch.device, s
     seqlens = torch.full((b,), length, dtype=torch.int32, device=device)
     table = None
     k_cache, v_cache = keys, values
+    descales = ()
+    if problem.fp8:
+        descales = (fp8.calibrate_kv(keys, 1.0), fp8.calibrate_kv(values, 1.0))
+        k_cache, v_cache = (fp8.quantize_kv(x, s) for x, s in zip((keys, values), descales, strict=True))
+        keys, values = (
+            (x.float() * s[:, None, :, None]).to(dtype)
+            for x, s in zip((k_cache, v_cache), descales, strict=True)
+        )
     if problem.paged:
         page = problem.page_size
         pages = length // page
         order = torch.randperm(b * pages, generator=gen).to(device)
         table = order.view(b, pages).to(torch.int32)
-        k_cache = torch.empty((b * pages, page, hkv, d), device=device, dtype=dtype)
+        contiguous = (k_cache, v_cache)
+        k_cache = torch.empty((b * pages, page, hkv, d), device=device, dtype=k_cache.dtype)
         v_cache = torch.empty_like(k_cache)
-        k_cache[order] = keys.reshape(b * pages, page, hkv, d)
-        v_cache[order] = values.reshape(b * pages, page, hkv, d)
+        k_cache[order] = contiguous[0].reshape(b * pages, page, hkv, d)
+        v_cache[order] = contiguous[1].reshape(b * pages, page, hkv, d)
     scale = d**-0.5
 
     def error_of(out: torch.Tensor) -> float:
@@ -56,7 +68,9 @@ def decode_case(problem: Problem, kernel: Kernel | None, device: torch.device, s
     lse = torch.full((b, hq, nq), float("nan"), device=device) if problem.return_lse else None
     launch = None
     if kernel is not None:
-        launch = lambda: kernel.launch(q, k_cache, v_cache, seqlens, out, lse, scale, table)
+        launch = lambda: kernel.launch(
+            q, k_cache, v_cache, seqlens, out, lse, scale, table, None, None, *descales
+        )
 
     def error() -> float:
         if lse is not None and torch.isnan(lse).any():

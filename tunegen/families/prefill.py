@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+from tunegen.fp8 import SCALE_BLOCK
 from tunegen.gpu import Gpu
 from tunegen.problem import Problem
 from tunegen.variant import Variant
@@ -26,6 +27,10 @@ class PrefillVariant(Variant):
     load: "ptr" (pointer arithmetic) or "desc" (device-side tensor descriptors, TMA on Hopper);
     order: which index varies fastest over the 1-D grid, query blocks ("m_inner") or
     (batch, head) pairs ("head_inner"); reverse_m: visit the last query blocks first.
+    FP8 Problems only: p_fp8: P enters the second product as e4m3 (scaled by 256, both products
+    in FP8) rather than bf16 with V widened (one rounding fewer, half-rate second product);
+    v_trans: the launcher writes V as (head_dim, seqlen), the K-major layout Hopper's FP8
+    tensor cores take for the second product's right operand, instead of transposing on chip.
     """
 
     family: ClassVar[str] = "prefill"
@@ -38,6 +43,8 @@ class PrefillVariant(Variant):
     load: str = "ptr"
     order: str = "m_inner"
     reverse_m: bool = False
+    p_fp8: bool = True
+    v_trans: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -59,6 +66,25 @@ def block_d(head_dim: int) -> int:
     return max(16, 1 << (head_dim - 1).bit_length())
 
 
+def _check_fp8(variant: PrefillVariant, problem: Problem, gpu: Gpu) -> None:
+    """What an fp8 Problem adds: padded batches, bf16 output, tiles inside one scale block, and a
+    GPU with e4m3 tensor cores."""
+    if problem.varlen:
+        raise ValueError("problem.varlen: fp8 prefill takes (batch, heads, seqlen, head_dim) inputs")
+    if problem.dtype != "bfloat16":
+        raise ValueError(f"problem.dtype: fp8 prefill writes bfloat16, got {problem.dtype}")
+    if max(variant.block_m, variant.block_n) > SCALE_BLOCK:
+        raise ValueError(
+            f"variant.block_m, variant.block_n: fp8 tiles must lie in one {SCALE_BLOCK}-row scale block, "
+            f"got {variant.block_m} x {variant.block_n}"
+        )
+    if gpu.backend == "cuda" and gpu.capability < (8, 9):
+        raise ValueError(
+            f"problem.fp8: e4m3 tensor-core products need compute capability 8.9 or newer, "
+            f"{gpu.name} has {gpu.capability}"
+        )
+
+
 class PrefillFamily:
     name = "prefill"
     template = "attention_fwd.py.j2"
@@ -75,11 +101,18 @@ class PrefillFamily:
             "group": problem.group,
             "precision": "ieee" if problem.dtype == "float32" else None,
             "upcast": interpreted and problem.dtype == "bfloat16",
+            "fp8": problem.fp8,
+            "emulate_fp8": interpreted and problem.fp8,
+            "scale_block": SCALE_BLOCK if problem.fp8 else 0,
         }
 
     def check_variant(self, variant: Variant, problem: Problem, gpu: Gpu) -> None:
         if not isinstance(variant, PrefillVariant):
             raise ValueError(f"variant: expected a PrefillVariant, got {type(variant).__name__}")
+        if problem.fp8:
+            _check_fp8(variant, problem, gpu)
+        elif not variant.p_fp8 or variant.v_trans:
+            raise ValueError("variant.p_fp8, variant.v_trans: FP8 knobs, for fp8 Problems only")
         if variant.load == "desc":
             if problem.dtype == "float32":
                 raise ValueError("variant.load: 'desc' takes 16-bit inputs; float32 needs 'ptr'")
@@ -103,7 +136,7 @@ class PrefillFamily:
         if gpu.arch == "interpreter":
             tiles, warps, stages = [16, 32], [4], [1]
         else:
-            tiles, warps, stages = [32, 64, 128], [4, 8], [2, 3, 4]
+            tiles, warps, stages = [32, 64, 128], [4, 8], [2, 3, 4] + ([5] if problem.fp8 else [])
         loads = ["ptr"]
         if (
             problem.aligned
@@ -120,6 +153,8 @@ class PrefillFamily:
             "load": loads,
             "order": list(ORDERS) if problem.causal else ["m_inner"],
             "reverse_m": [False, True] if problem.causal else [False],
+            "p_fp8": [True, False] if problem.fp8 else [True],
+            "v_trans": [False, True] if problem.fp8 else [False],
         }
 
     def constraint(self, variant: PrefillVariant, problem: Problem, gpu: Gpu) -> str | None:
@@ -136,7 +171,7 @@ class PrefillFamily:
         if gpu.arch == "interpreter":
             return None
         d = block_d(problem.head_dim)
-        size = 4 if problem.dtype == "float32" else 2
+        size = 1 if problem.fp8 else 4 if problem.dtype == "float32" else 2
         smem = variant.block_m * d * size + variant.num_stages * 2 * variant.block_n * d * size
         if smem > gpu.smem_per_block:
             return f"shared memory: needs about {smem} bytes, {gpu.name} has {gpu.smem_per_block} per block"
@@ -157,6 +192,13 @@ class PrefillFamily:
             return PrefillVariant(block_m=32, block_n=32, num_warps=4, num_stages=1)
         if problem.dtype == "float32":
             return PrefillVariant(block_m=64, block_n=32, num_warps=4, num_stages=1)
+        if problem.fp8:
+            if gpu.arch in ("hopper", "blackwell"):
+                load = "desc" if problem.aligned else "ptr"
+                return PrefillVariant(
+                    block_m=128, block_n=128, num_warps=8, num_stages=3, load=load, v_trans=True
+                )
+            return PrefillVariant(block_m=128, block_n=64, num_warps=8, num_stages=2)
         if gpu.arch in ("hopper", "blackwell"):
             if d <= 128:
                 if problem.seqlen_q <= 512:

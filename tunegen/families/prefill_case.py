@@ -1,9 +1,13 @@
-"""The prefill family's tuning case: inputs, launch, float64 check, SDPA peers."""
+"""The prefill family's tuning case: inputs, launch, float64 check, SDPA peers.
+
+An fp8 Problem's inputs are quantized with per-block scales; the kernel is checked against
+float64 on the dequantized inputs, and the peers run bf16 on those same values."""
 
 from __future__ import annotations
 
 import torch
 
+from tunegen import fp8
 from tunegen.families.base import Case, Kernel
 from tunegen.problem import TORCH_DTYPES, Problem
 from tunegen.reference import attention_reference, sampled_error
@@ -20,6 +24,10 @@ def prefill_case(problem: Problem, kernel: Kernel | None, device: torch.device, 
         for h, n in ((problem.num_heads_q, nq), (problem.num_heads_kv, nk), (problem.num_heads_kv, nk))
     )
     scale = d**-0.5
+    inputs = (q, k, v)
+    if problem.fp8:
+        inputs = fp8.quantize_fp8(q, k, v, hadamard=False)
+        q, k, v = (fp8.dequantize(x, s, torch.float32) for x, s in zip(inputs[:3], inputs[3:], strict=True))
 
     def error_of(out: torch.Tensor) -> float:
         if torch.isnan(out).any():
@@ -29,7 +37,7 @@ def prefill_case(problem: Problem, kernel: Kernel | None, device: torch.device, 
             return float((out.double() - ref).norm() / ref.norm())
         return sampled_error(out, q, k, v, causal=problem.causal, scale=scale, rows=128, generator=gen)
 
-    out = torch.full_like(q, float("nan"))
+    out = torch.full(q.shape, float("nan"), device=device, dtype=dtype)
     launch = lse = None
     if kernel is not None and problem.varlen:
         packed = [t.transpose(1, 2).reshape(-1, t.shape[1], d) for t in (q, k, v, out)]
@@ -42,7 +50,7 @@ def prefill_case(problem: Problem, kernel: Kernel | None, device: torch.device, 
     elif kernel is not None:
         if problem.return_lse:
             lse = torch.full((b, problem.num_heads_q, nq), float("nan"), device=device)
-        launch = lambda: kernel.launch(q, k, v, out, lse, scale)
+        launch = lambda: kernel.launch(*inputs[:3], out, lse, scale, *inputs[3:])
 
     def error() -> float:
         if lse is not None and torch.isnan(lse).any():
@@ -53,7 +61,8 @@ def prefill_case(problem: Problem, kernel: Kernel | None, device: torch.device, 
     if device.type == "cuda" and not problem.varlen:
         from tunegen import peers as peer_impls
 
+        peer_inputs = tuple(t.to(dtype) for t in (q, k, v))
         for name in ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient"):
             fn = peer_impls.sdpa(name, problem.causal)
-            peers[name] = lambda fn=fn: fn(q, k, v)
+            peers[name] = lambda fn=fn: fn(*peer_inputs)
     return Case(launch=launch, error=error, peers=peers, peer_error=error_of)

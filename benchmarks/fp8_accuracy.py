@@ -1,0 +1,179 @@
+"""FP8 attention accuracy by FlashAttention-3's method (section 4.3 of the paper): Q, K and V drawn
+from N(0, 1), with 0.1% of the entries drawn from N(0, 10) instead (outlier features); the
+relative RMSE ‖out − ref‖/‖ref‖ against float64 attention on the same 16-bit inputs, for
+
+    16-bit        tunegen.attention in bf16 (GPU) or fp16 (interpreter, see below)
+    fp8           precision="fp8", hadamard=False: e4m3 with per-block scales
+    fp8+hadamard  precision="fp8": the Walsh-Hadamard rotation of Q and K first
+
+Issue 7's target: FP8 with the rotation at least 2x more accurate than without.
+
+On a GPU it runs the real kernels at real sizes; with --cpu it runs them under Triton's
+interpreter at small sizes. There bf16 would say nothing about the GPU (the interpreter
+multiplies bf16 bit patterns in tl.dot, so tunegen renders bf16 products in float32 there, and
+its float32 → bf16 cast truncates), so fp16 is the 16-bit baseline; the FP8 kernels run as on
+a GPU except that P's rounding to e4m3 is done in float32 arithmetic (the interpreter's own
+float32 → float8 cast rounds wrongly).
+
+    python benchmarks/fp8_accuracy.py -o benchmarks/results/fp8_accuracy_h100.json
+    python benchmarks/fp8_accuracy.py --cpu -o benchmarks/results/fp8_accuracy_interpreter.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+if "--cpu" in sys.argv[1:]:
+    os.environ["TRITON_INTERPRET"] = "1"  # Triton reads it when it is imported
+
+import torch
+import triton
+
+import tunegen
+from tunegen.reference import attention_reference
+
+TARGET_RATIO = 2.0
+OUTLIER_RATE, OUTLIER_STD = 1e-3, 10.0
+
+
+def inputs(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """N(0, 1) with OUTLIER_RATE of the entries from N(0, OUTLIER_STD) instead."""
+    x = torch.randn(shape, generator=gen, dtype=torch.float64)
+    outliers = torch.rand(shape, generator=gen) < OUTLIER_RATE
+    return torch.where(outliers, torch.randn(shape, generator=gen, dtype=torch.float64) * OUTLIER_STD, x)
+
+
+def relative_rmse(
+    out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+) -> float:
+    """‖out − ref‖/‖ref‖ with ref float64 attention of q, k, v, one head at a time (the scores of a
+    16k-token head in float64 take 2 GB)."""
+    diff = norm = 0.0
+    for b in range(q.shape[0]):
+        for h in range(q.shape[1]):
+            one = (slice(b, b + 1), slice(h, h + 1))
+            ref, _ = attention_reference(q[one], k[one], v[one], causal=causal, scale=q.shape[-1] ** -0.5)
+            diff += float((out[one].double() - ref).square().sum())
+            norm += float(ref.square().sum())
+    return (diff / norm) ** 0.5
+
+
+def measure(
+    batch: int, heads: int, seqlen: int, head_dim: int, causal: bool, seeds: range, half: torch.dtype
+) -> dict:
+    """Mean relative RMSE of the three paths over `seeds` on one shape."""
+    device = torch.device("cpu" if half == torch.float16 else "cuda")
+    errors: dict[str, list[float]] = {"16-bit": [], "fp8": [], "fp8+hadamard": []}
+    for seed in seeds:
+        gen = torch.Generator().manual_seed(seed)
+        q, k, v = (inputs((batch, heads, seqlen, head_dim), gen).to(device, half) for _ in range(3))
+        runs = {
+            "16-bit": {},
+            "fp8": {"precision": "fp8", "hadamard": False},
+            "fp8+hadamard": {"precision": "fp8"},
+        }
+        for name, kwargs in runs.items():
+            out = tunegen.attention(q, k, v, causal=causal, strict=True, **kwargs)
+            errors[name].append(relative_rmse(out, q, k, v, causal))
+    mean = {name: statistics.fmean(values) for name, values in errors.items()}
+    return {
+        "batch": batch,
+        "heads": heads,
+        "seqlen": seqlen,
+        "head_dim": head_dim,
+        "causal": causal,
+        "seeds": list(seeds),
+        "relative_rmse": errors,
+        "mean": mean,
+        "fp8_over_fp8_hadamard": mean["fp8"] / mean["fp8+hadamard"],
+    }
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        f"# FP8 attention accuracy ({report['device']})",
+        "",
+        f"{report['date']}, Triton {report['triton']}, torch {report['torch']}. Method: FlashAttention-3's "
+        f"(Q, K, V from N(0, 1) with {OUTLIER_RATE:.1%} of the entries from N(0, {OUTLIER_STD:g})); relative "
+        "RMSE ‖out − ref‖/‖ref‖ against float64 attention on the same 16-bit inputs, mean over "
+        f"seeds; 16-bit is {report['half']}. Target: fp8 / fp8+hadamard ≥ {TARGET_RATIO:g}.",
+        "",
+        "| B | H | N | D | causal | 16-bit | fp8 | fp8+hadamard | fp8 / fp8+hadamard | target |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for c in report["configs"]:
+        m = c["mean"]
+        ratio = c["fp8_over_fp8_hadamard"]
+        lines.append(
+            f"| {c['batch']} | {c['heads']} | {c['seqlen']} | {c['head_dim']} | {c['causal']} | "
+            f"{m['16-bit']:.2e} | {m['fp8']:.2e} | {m['fp8+hadamard']:.2e} | {ratio:.2f}x | "
+            f"{'met' if ratio >= TARGET_RATIO else 'missed'} |"
+        )
+    lines += ["", *report["notes"], ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cpu", action="store_true", help="Triton's interpreter on the CPU, small sizes.")
+    ap.add_argument("--seqlens", default=None, help="Comma-separated (default: 1024,4096,16384; --cpu: 256).")
+    ap.add_argument("--heads", type=int, default=None, help="Default: 16 (--cpu: 2).")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument(
+        "-o", "--output", type=Path, default=None, help="Write the JSON here (and .md beside it)."
+    )
+    args = ap.parse_args()
+    if not args.cpu and not torch.cuda.is_available():
+        sys.exit("no CUDA GPU: pass --cpu to run the kernels under Triton's interpreter")
+    half = torch.float16 if args.cpu else torch.bfloat16
+    seqlens = [int(n) for n in (args.seqlens or ("256" if args.cpu else "1024,4096,16384")).split(",")]
+    heads = args.heads or (2 if args.cpu else 16)
+    configs = [
+        measure(1, heads, n, args.head_dim, causal, range(args.seeds), half)
+        for n in seqlens
+        for causal in (False, True)
+    ]
+    if args.cpu:
+        where = "Triton interpreter on the CPU"
+        notes = [
+            "Run under Triton's interpreter on the CPU, at small sizes: the FP8 kernels compute what "
+            "they compute on a GPU, except that P's rounding to e4m3 is emulated in float32 (the "
+            "interpreter's float32 → float8 cast rounds wrongly).",
+            "bf16 on the interpreter is not meaningful (the interpreter multiplies bf16 bit patterns in "
+            "tl.dot; tunegen renders bf16 products in float32 there, and its float32 → bf16 cast "
+            "truncates), so the 16-bit baseline here is fp16.",
+            "The GPU run (bf16 baseline, N up to 16384) is pending: "
+            "`python benchmarks/fp8_accuracy.py -o benchmarks/results/fp8_accuracy_h100.json`.",
+        ]
+    else:
+        where = torch.cuda.get_device_name()
+        notes = []
+    report = {
+        "device": where,
+        "date": datetime.date.today().isoformat(),
+        "triton": triton.__version__,
+        "torch": torch.__version__,
+        "half": str(half).removeprefix("torch."),
+        "outlier_rate": OUTLIER_RATE,
+        "outlier_std": OUTLIER_STD,
+        "target_ratio": TARGET_RATIO,
+        "configs": configs,
+        "notes": notes,
+    }
+    text = markdown(report)
+    print(text)
+    if args.output is not None:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(report, indent=1) + "\n")
+        args.output.with_suffix(".md").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
