@@ -4,6 +4,8 @@ quantized exactly as PyTorch rounds them; KVCache's FP8 option calibrates, appen
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from test_decode import gathered, make_cache, reference
@@ -14,7 +16,8 @@ from tunegen import fp8
 from tunegen.decode import _problem
 from tunegen.families import base, decode
 from tunegen.gpu import gpu_of
-from tunegen.reference import attention_reference
+from tunegen.problem import Problem
+from tunegen.reference import TOLERANCE, attention_reference, tolerance
 
 
 def rows_of(table, b):
@@ -186,3 +189,17 @@ def test_appended_values_round_to_nearest_even_and_saturate(device):
     expected = new.float().clamp(-448, 448).to(fp8.E4M3)
     assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
     assert torch.equal(v_cache.view(torch.uint8), expected.view(torch.uint8))
+
+
+@pytest.mark.parametrize("page_size", [0, 16])
+def test_the_tuners_fp8_cache_case_checks_the_kernel_it_times(page_size):
+    problem = Problem(
+        "decode", "bfloat16", 32, True, 4, 2, 2, 1, 64, paged=page_size > 0, page_size=page_size, fp8=True
+    )
+    gpu = gpu_of(torch.device("cpu"))
+    kernel = base.build(decode.FAMILY, decode.FAMILY.default_variant(problem, gpu), problem, gpu)
+    case = decode.FAMILY.case(problem, kernel, torch.device("cpu"), seed=4)
+    assert math.isnan(case.error()), "unwritten outputs read as NaN"
+    case.launch()
+    assert case.error() < tolerance(problem) == TOLERANCE["bfloat16"]
+    assert decode.FAMILY.measure(problem) == ("GB/s", 2.0 * 2 * 64 * 2 * 32), "one byte per cached value"

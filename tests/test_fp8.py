@@ -5,6 +5,7 @@ ragged shapes, GQA, causal, poisoned outputs, the public API and its refusals.""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from tunegen import bench, fp8
 from tunegen.families import base, prefill
 from tunegen.gpu import Gpu, gpu_of
 from tunegen.problem import Problem, bucket
-from tunegen.reference import attention_reference
+from tunegen.reference import FP8_TOLERANCE, attention_reference, tolerance
 
 # P is rounded to e4m3 before the second product (about 2% on these inputs); bf16 P is ~0.5%.
 P_E4M3_TOL, P_BF16_TOL = 3e-2, 1e-2
@@ -302,3 +303,16 @@ def test_bench_fp8_needs_a_gpu():
 
     result = CliRunner().invoke(main, ["bench", "fp8"])
     assert result.exit_code == 2 and "bench needs a CUDA GPU" in result.output
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_the_tuners_fp8_case_checks_the_kernel_it_times(causal):
+    """The case a tuning trial runs: e4m3 inputs, a poisoned output until the launch, then an error
+    within FP8's bound against float64 on the dequantized inputs."""
+    problem = Problem("prefill", "bfloat16", 64, causal, 4, 2, 2, 48, 40, fp8=True, return_lse=True)
+    gpu = gpu_of(torch.device("cpu"))
+    kernel = base.build(prefill.FAMILY, prefill.FAMILY.default_variant(problem, gpu), problem, gpu)
+    case = prefill.FAMILY.case(problem, kernel, torch.device("cpu"), seed=3)
+    assert math.isnan(case.error()), "unwritten outputs read as NaN"
+    case.launch()
+    assert case.error() < tolerance(problem) and tolerance(problem) == FP8_TOLERANCE
