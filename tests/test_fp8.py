@@ -316,3 +316,13 @@ def test_the_tuners_fp8_case_checks_the_kernel_it_times(causal):
     assert math.isnan(case.error()), "unwritten outputs read as NaN"
     case.launch()
     assert case.error() < tolerance(problem) and tolerance(problem) == FP8_TOLERANCE
+
+
+@pytest.mark.parametrize("per_block", [True, False], ids=["blocks", "fa3"])
+def test_quantize_fp8_takes_strided_views(per_block):
+    gen = torch.Generator().manual_seed(16)
+    q, k, v = (randn(2, 19, h, 32, gen=gen, dtype=torch.bfloat16).transpose(1, 2) for h in (4, 2, 2))
+    strided = fp8.quantize_fp8(q, k, v, hadamard=False, per_block=per_block)
+    copied = fp8.quantize_fp8(*(t.contiguous() for t in (q, k, v)), hadamard=False, per_block=per_block)
+    for a, b in zip(strided, copied, strict=True):
+        assert torch.equal(a.float(), b.float())

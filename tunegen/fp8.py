@@ -93,7 +93,7 @@ def quantize_blocks(x: torch.Tensor, group: int, block: int | None) -> tuple[tor
     b, h, n, d = x.shape
     x = x.float()
     if block is None:
-        descale = _descale_of(x.view(b, h // group, group * n * d).abs().amax(-1))
+        descale = _descale_of(x.reshape(b, h // group, group * n * d).abs().amax(-1))
         expanded = descale.repeat_interleave(group, 1)[..., None, None]
         return _to_e4m3(x, expanded), descale
     blocks = -(-n // block)
