@@ -87,8 +87,8 @@ def test_scales_map_each_block_max_to_448_and_round_trip(per_block):
 VARIANTS = [
     prefill.PrefillVariant(block_m=32, block_n=32, num_stages=1),
     prefill.PrefillVariant(block_m=16, block_n=32, num_stages=1, p_fp8=False),
-    prefill.PrefillVariant(block_m=32, block_n=16, num_stages=1, v_trans=True, causal_split=False),
-    prefill.PrefillVariant(block_m=16, block_n=16, num_stages=1, v_trans=True, load="desc"),
+    prefill.PrefillVariant(block_m=64, block_n=32, num_stages=1, v_trans=True, causal_split=False),
+    prefill.PrefillVariant(block_m=16, block_n=32, num_stages=1, v_trans=True, load="desc"),
     prefill.PrefillVariant(
         block_m=32, block_n=32, num_stages=2, load="desc", order="head_inner", reverse_m=True
     ),
@@ -268,6 +268,8 @@ def test_fp8_variants_are_checked():
         ValueError, match=r"variant.block_m, variant.block_n: fp8 tiles must lie in one 128-row"
     ):
         fam.check_variant(prefill.PrefillVariant(block_m=256), problem, hopper)
+    with pytest.raises(ValueError, match=r"variant.block_n: fp8 key tiles need at least 32 rows, got 16"):
+        fam.check_variant(prefill.PrefillVariant(block_n=16), problem, gpu_of(torch.device("cpu")))
     with pytest.raises(ValueError, match=r"variant.p_fp8, variant.v_trans: FP8 knobs"):
         plain = Problem("prefill", "bfloat16", 128, False, 8, 8, 1, 1024, 1024)
         fam.check_variant(prefill.PrefillVariant(v_trans=True), plain, hopper)

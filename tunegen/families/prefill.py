@@ -61,18 +61,22 @@ class PrefillVariant(Variant):
             raise ValueError(f"order: expected one of {ORDERS}, got {self.order!r}")
 
 
-def block_d(head_dim: int) -> int:
-    """The head-dim tile: the next power of two, at least 16 (tl.dot's smallest K)."""
-    return max(16, 1 << (head_dim - 1).bit_length())
+def block_d(head_dim: int, fp8: bool = False) -> int:
+    """The head-dim tile: the next power of two, at least tl.dot's smallest K on NVIDIA GPUs (16,
+    or 32 for e4m3 operands)."""
+    return max(32 if fp8 else 16, 1 << (head_dim - 1).bit_length())
 
 
 def _check_fp8(variant: PrefillVariant, problem: Problem, gpu: Gpu) -> None:
-    """What an fp8 Problem adds: padded batches, bf16 output, tiles inside one scale block, and a
-    GPU with e4m3 tensor cores."""
+    """What an fp8 Problem adds: padded batches, bf16 output, key tiles of at least 32 (e4m3
+    products need K >= 32 on NVIDIA GPUs; checked on every backend so that the interpreter runs
+    only what a GPU can), tiles inside one scale block, and a GPU with e4m3 tensor cores."""
     if problem.varlen:
         raise ValueError("problem.varlen: fp8 prefill takes (batch, heads, seqlen, head_dim) inputs")
     if problem.dtype != "bfloat16":
         raise ValueError(f"problem.dtype: fp8 prefill writes bfloat16, got {problem.dtype}")
+    if variant.block_n < 32:
+        raise ValueError(f"variant.block_n: fp8 key tiles need at least 32 rows, got {variant.block_n}")
     if max(variant.block_m, variant.block_n) > SCALE_BLOCK:
         raise ValueError(
             f"variant.block_m, variant.block_n: fp8 tiles must lie in one {SCALE_BLOCK}-row scale block, "
@@ -94,7 +98,7 @@ class PrefillFamily:
         interpreted = gpu.backend == "interpreter"
         return {
             "head_dim": problem.head_dim,
-            "block_d": block_d(problem.head_dim),
+            "block_d": block_d(problem.head_dim, problem.fp8),
             "causal": problem.causal,
             "varlen": problem.varlen,
             "return_lse": problem.return_lse,
@@ -146,7 +150,7 @@ class PrefillFamily:
             loads.append("desc")
         return {
             "block_m": [t for t in tiles if t >= 16] if gpu.arch == "interpreter" else [64, 128],
-            "block_n": tiles,
+            "block_n": [t for t in tiles if t >= 32] if problem.fp8 else tiles,
             "num_warps": warps,
             "num_stages": stages,
             "causal_split": [True],
@@ -170,7 +174,7 @@ class PrefillFamily:
             return str(exc)
         if gpu.arch == "interpreter":
             return None
-        d = block_d(problem.head_dim)
+        d = block_d(problem.head_dim, problem.fp8)
         size = 1 if problem.fp8 else 4 if problem.dtype == "float32" else 2
         smem = variant.block_m * d * size + variant.num_stages * 2 * variant.block_n * d * size
         if smem > gpu.smem_per_block:
@@ -187,7 +191,7 @@ class PrefillFamily:
         The Hopper rows come from benchmarks/prefill_defaults.py on an H100 (bf16, N = 512 to
         4096; see benchmarks/results/prefill_h100.md); the others are conservative guesses.
         """
-        d = block_d(problem.head_dim)
+        d = block_d(problem.head_dim, problem.fp8)
         if gpu.arch == "interpreter":
             return PrefillVariant(block_m=32, block_n=32, num_warps=4, num_stages=1)
         if problem.dtype == "float32":
