@@ -203,3 +203,40 @@ def test_the_tuners_fp8_cache_case_checks_the_kernel_it_times(page_size):
     case.launch()
     assert case.error() < tolerance(problem) == TOLERANCE["bfloat16"]
     assert decode.FAMILY.measure(problem) == ("GB/s", 2.0 * 2 * 64 * 2 * 32), "one byte per cached value"
+
+
+def test_pytorch_fallback_appends_quantized_and_attends(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.delenv("TUNEGEN_STRICT", raising=False)
+    gen = torch.Generator().manual_seed(72)
+    k16, v16, table = make_cache(2, 2, 32, [20, 7], 64, 16, torch.float16, "cpu", gen)
+    descales = [torch.rand(2, 2, generator=gen) * 0.02 + 0.005 for _ in range(2)]
+    k_cache, v_cache = to_fp8(k16, table, descales[0]), to_fp8(v16, table, descales[1])
+    q = torch.randn(2, 2, 4, 32, generator=gen).half()
+    new = [torch.randn(2, 2, 2, 32, generator=gen).half() for _ in range(2)]
+    seqlens = torch.tensor([20, 7], dtype=torch.int32)
+    out = tunegen.decode_attention(
+        q,
+        k_cache,
+        v_cache,
+        seqlens,
+        k=new[0],
+        v=new[1],
+        block_table=table,
+        k_descale=descales[0],
+        v_descale=descales[1],
+    )
+    for b, n in enumerate([20, 7]):
+        written = gathered(k_cache, table, b, n + 2)[:, n:].view(torch.uint8)
+        expected = fp8.quantize_kv(new[0][b : b + 1], descales[0][b : b + 1])[0].transpose(0, 1)
+        assert torch.equal(written, expected.view(torch.uint8))
+    ref, _ = reference(
+        q,
+        widened(k_cache, table, descales[0]),
+        widened(v_cache, table, descales[1]),
+        table,
+        [22, 9],
+        True,
+        32**-0.5,
+    )
+    assert rel_err(out, ref) < REL_TOL[torch.float16]

@@ -328,3 +328,18 @@ def test_quantize_fp8_takes_strided_views(per_block):
     copied = fp8.quantize_fp8(*(t.contiguous() for t in (q, k, v)), hadamard=False, per_block=per_block)
     for a, b in zip(strided, copied, strict=True):
         assert torch.equal(a.float(), b.float())
+
+
+def test_pytorch_fallback_computes_fp8_attention_on_the_dequantized_inputs(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.delenv("TUNEGEN_STRICT", raising=False)
+    gen = torch.Generator().manual_seed(17)
+    q, k, v = (randn(2, 4, 30, 32, gen=gen, dtype=torch.float16) for _ in range(3))
+    out, lse = tunegen.attention(q, k, v, causal=True, precision="fp8", return_lse=True)
+    ref, ref_lse = attention_reference(
+        *dequantized(tunegen.quantize_fp8(q, k, v)), causal=True, scale=32**-0.5
+    )
+    assert out.dtype == torch.float16 and rel_err(out, ref) < 2e-3
+    assert_lse(lse, ref_lse, torch.float16)
+    with pytest.raises(tunegen.FallbackError):
+        tunegen.attention(q, k, v, precision="fp8", strict=True)
