@@ -255,13 +255,16 @@ def _variant_text(variant: dict) -> str:
 def bench_decode(batches, cache_lengths, heads, kv_heads, head_dim, page_sizes, output) -> None:
     """Decode over a KV cache: GB/s of K and V read, tunegen against SDPA's backends."""
     import torch
+    from rich.progress import Progress
 
     from tunegen import bench as benchmarks
 
     if not torch.cuda.is_available():
         raise click.UsageError("bench needs a CUDA GPU: timings come from the GPU's clock")
     problems = benchmarks.decode_suite(batches, cache_lengths, heads, kv_heads, head_dim, page_sizes)
-    rows = benchmarks.bench_cases(problems)
+    with Progress(transient=True) as progress:
+        task = progress.add_task("bench decode", total=None)
+        rows = benchmarks.bench_cases(problems, on_row=lambda _: progress.advance(task))
     if output is not None:
         benchmarks.write_rows(rows, output)
     _print_cases(
@@ -369,6 +372,7 @@ def bench_fp8(seqlens, causal, tokens, hidden, batches, cache_lengths, page_size
 
     import torch
     from rich.console import Console
+    from rich.progress import Progress
     from rich.table import Table
 
     from tunegen import bench as benchmarks
@@ -377,8 +381,13 @@ def bench_fp8(seqlens, causal, tokens, hidden, batches, cache_lengths, page_size
         raise click.UsageError("bench needs a CUDA GPU: timings come from the GPU's clock")
     causal_values = {"both": (False, True), "yes": (True,), "no": (False,)}[causal]
     shapes = benchmarks.prefill_suite(seqlens, (128,), causal_values, tokens, hidden)
-    prefill_rows = benchmarks.bench_fp8_prefill(shapes)
-    decode_rows = benchmarks.bench_cases(benchmarks.fp8_decode_suite(batches, cache_lengths, page_sizes))
+    with Progress(transient=True) as progress:
+        task = progress.add_task("bench fp8", total=None)
+        prefill_rows = benchmarks.bench_fp8_prefill(shapes, on_row=lambda _: progress.advance(task))
+        decode_rows = benchmarks.bench_cases(
+            benchmarks.fp8_decode_suite(batches, cache_lengths, page_sizes),
+            on_row=lambda _: progress.advance(task),
+        )
     speedups = benchmarks.fp8_speedups(prefill_rows, decode_rows)
     if output is not None:
         output.parent.mkdir(parents=True, exist_ok=True)
@@ -655,6 +664,47 @@ def memory(preset, layers, heads, kv_heads, head_dim, seqlen, batch, dtype, fmt)
     click.echo(
         json.dumps(dataclasses.asdict(result), indent=1) if fmt == "json" else calc.render_text(result)
     )
+
+
+@bench.command("all")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("tunegen-bench"),
+    show_default=True,
+    help="Folder for every family's results, the ceilings and the report.",
+)
+def bench_all(output: Path) -> None:
+    """Every family on its default suite against the peers on this GPU (prefill with the default
+    Variants beside the served ones, decode, backward, FP8), then the ceilings and the report."""
+    import torch
+
+    from tunegen import peers
+
+    if not torch.cuda.is_available():
+        raise click.UsageError("bench needs a CUDA GPU: timings come from the GPU's clock")
+    steps = [
+        [
+            "prefill",
+            "--impl",
+            ",".join(["tunegen", "tunegen-default", *peers.available()]),
+            "-o",
+            "prefill.csv",
+        ],
+        ["decode", "-o", "decode.csv"],
+        ["backward", "-o", "backward.csv"],
+        ["fp8", "-o", "fp8.json"],
+        ["ceilings", "-o", "ceilings.json"],
+    ]
+    for i, (name, *args) in enumerate(steps, 1):
+        click.secho(f"[{i}/{len(steps) + 1}] bench {name}", bold=True)
+        args[-1] = str(output / args[-1])
+        main.main(["bench", name, *args], standalone_mode=False)
+    click.secho(f"[{len(steps) + 1}/{len(steps) + 1}] report", bold=True)
+    results = [str(output / name) for name in ("prefill.csv", "decode.csv", "backward.csv", "fp8.json")]
+    ceilings = ["--ceilings", str(output / "ceilings.json")]
+    main.main(["report", *results, *ceilings, "-o", str(output / "report")], standalone_mode=False)
 
 
 @bench.command("ceilings")

@@ -183,3 +183,16 @@ def test_page_renders_in_headless_chromium(tmp_path, results):
     assert any("decode bfloat16, head dim 128" in c and "32/8 heads" in c for c in captions)
     assert best.count("300") == 3, "tunegen is the best cell in each prefill row"
     assert len(shot) > 10_000
+
+
+def test_bench_fp8_documents_put_fp8_beside_bf16(tmp_path):
+    cache = [{**r, "fp8": flag} for r in decode_rows() if r["impl"] == "tunegen" for flag in (False, True)]
+    prefill = [{**r, "impl": f"tunegen-{d}", "dtype": d} for r in prefill_rows()[:1] for d in ("bf16", "fp8")]
+    doc = tmp_path / "fp8.json"
+    doc.write_text(json.dumps({"prefill": prefill, "decode": cache, "speedups": [{"family": "decode"}]}))
+    rows = report.load_results([doc])
+    assert sorted({r.impl for r in rows}) == ["tunegen", "tunegen-bf16", "tunegen-fp8", "tunegen-fp8-cache"]
+    assert len(report._groups(rows)) == 2, "one plot for prefill, one for decode, each with both dtypes"
+    fp8_cache = next(r for r in rows if r.impl == "tunegen-fp8-cache")
+    bf16_cache = next(r for r in rows if r.impl == "tunegen" and r.seqlen == fp8_cache.seqlen)
+    assert fp8_cache.bytes == bf16_cache.bytes / 2

@@ -20,7 +20,7 @@ import triton
 
 import tunegen
 from tunegen import fp8, peers
-from tunegen.gpu import cuda_gpu
+from tunegen.gpu import cuda_gpu, gpu_of
 from tunegen.problem import DTYPE_NAMES, Problem
 from tunegen.reference import FP8_TOLERANCE, TOLERANCE, sampled_error, tolerance
 from tunegen.timing import median_ms, rate
@@ -129,6 +129,8 @@ def _implementations(names: Iterable[str], shape: Shape, device: torch.device) -
     for name in names:
         if name == "tunegen":
             impls[name] = lambda q, k, v, c=shape.causal: tunegen.attention(q, k, v, causal=c, strict=True)
+        elif name == "tunegen-default":
+            impls[name] = _default_variant(shape.causal)
         elif name == "flex":
             impls[name] = peers.flex(
                 shape.causal, (shape.batch, shape.heads, shape.seqlen, shape.head_dim), device
@@ -136,8 +138,29 @@ def _implementations(names: Iterable[str], shape: Shape, device: torch.device) -
         elif name in peers.SDPA_BACKENDS:
             impls[name] = peers.sdpa(name, shape.causal)
         else:
-            raise ValueError(f"impl: expected tunegen or one of {peers.available()}, got {name!r}")
+            raise ValueError(
+                f"impl: expected tunegen, tunegen-default or one of {peers.available()}, got {name!r}"
+            )
     return impls
+
+
+def _default_variant(causal: bool) -> Callable:
+    """The prefill family's default Variant for the inputs' Problem, winners ignored: beside
+    `tunegen`, it shows what tuning gained. Built on the first call, which is the untimed check."""
+    from tunegen.families import base, get
+
+    built: list[base.Kernel] = []
+
+    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if not built:
+            family, gpu = get("prefill"), gpu_of(q.device)
+            problem = Problem(**tunegen.explain(q, k, v, causal=causal)["problem"])
+            built.append(base.build(family, family.default_variant(problem, gpu), problem, gpu))
+        out = torch.empty_like(q)
+        built[0].launch(q, k, v, out, None, q.shape[-1] ** -0.5)
+        return out
+
+    return call
 
 
 def _check_then_time(

@@ -70,6 +70,7 @@ class Measurement:
     triton: str
     torch: str
     date: str
+    source: str = ""
 
     @property
     def seqlen(self) -> int:
@@ -107,7 +108,7 @@ def _flag(value: Any) -> bool:
     return value in (True, "True", "true", "1", 1)
 
 
-def measurement(row: dict[str, Any]) -> Measurement:
+def measurement(row: dict[str, Any], source: str = "") -> Measurement:
     """Read one row as `tunegen bench` writes it (prefill rows or family-case rows)."""
     try:
         if "tflops" in row:  # bench prefill
@@ -118,10 +119,13 @@ def measurement(row: dict[str, Any]) -> Measurement:
             family, unit, rate = str(row["family"]), str(row["unit"]), _number(row["rate"])
             heads_q, heads_kv = int(row["num_heads_q"]), int(row["num_heads_kv"])
             seqlen_q, seqlen_k = int(row["seqlen_q"]), int(row["seqlen_k"])
+        impl, dtype = str(row["impl"]), str(row["dtype"])
+        if _flag(row.get("fp8")) and family == "decode":  # bench fp8 times bf16 and e4m3 caches alike
+            impl, dtype = f"{impl}-fp8-cache", "fp8"
         return Measurement(
             family=family,
-            impl=str(row["impl"]),
-            dtype=str(row["dtype"]),
+            impl=impl,
+            dtype=dtype,
             head_dim=int(row["head_dim"]),
             causal=_flag(row["causal"]),
             batch=int(row["batch"]),
@@ -137,6 +141,7 @@ def measurement(row: dict[str, Any]) -> Measurement:
             triton=str(row["triton"]),
             torch=str(row["torch"]),
             date=str(row["date"]),
+            source=source,
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"results: a row is not one `tunegen bench` writes ({exc!r}): {row}") from None
@@ -149,35 +154,41 @@ def load_results(paths: Iterable[Path]) -> list[Measurement]:
         path = Path(path)
         if path.suffix == ".json":
             records = json.loads(path.read_text())
+            if isinstance(records, dict):  # bench fp8: {"prefill": rows, "decode": rows, "speedups": ...}
+                records = [
+                    r for part in records.values() if isinstance(part, list) for r in part if "impl" in r
+                ]
         elif path.suffix == ".csv":
             with path.open(newline="") as handle:
                 records = list(csv.DictReader(handle))
         else:
             raise ValueError(f"results: expected .csv or .json files from `tunegen bench`, got {path}")
-        rows.extend(measurement(r) for r in records)
+        rows.extend(measurement(r, path.stem) for r in records)
     if not rows:
         raise ValueError("results: the files hold no rows")
     return rows
 
 
 def _groups(rows: Sequence[Measurement]) -> dict[tuple, list[Measurement]]:
-    """Rows by what one speed plot compares: family, dtype, head dim, causal, head counts."""
+    """Rows by what one speed plot compares: the file, family, head dim, causal, head counts
+    (dtypes share a plot, so FP8 runs beside bf16)."""
     groups: dict[tuple, list[Measurement]] = {}
     for r in rows:
-        key = (r.family, r.dtype, r.head_dim, r.causal, r.heads_q, r.heads_kv)
+        key = (r.source, r.family, r.head_dim, r.causal, r.heads_q, r.heads_kv)
         groups.setdefault(key, []).append(r)
     return groups
 
 
-def _title(key: tuple) -> str:
-    family, dtype, head_dim, causal, heads_q, heads_kv = key
+def _title(key: tuple, rows: Sequence[Measurement]) -> str:
+    _, family, head_dim, causal, heads_q, heads_kv = key
     heads = f"{heads_q} heads" if heads_q == heads_kv else f"{heads_q}/{heads_kv} heads"
-    return f"{family} {dtype}, head dim {head_dim}, {'causal' if causal else 'non-causal'}, {heads}"
+    dtypes = "/".join(dict.fromkeys(r.dtype for r in rows))
+    return f"{family} {dtypes}, head dim {head_dim}, {'causal' if causal else 'non-causal'}, {heads}"
 
 
 def _slug(key: tuple) -> str:
-    family, dtype, head_dim, causal, heads_q, heads_kv = key
-    return f"{family}_{dtype}_d{head_dim}_{'causal' if causal else 'full'}_h{heads_q}-{heads_kv}"
+    source, family, head_dim, causal, heads_q, heads_kv = key
+    return f"{source}_{family}_d{head_dim}_{'causal' if causal else 'full'}_h{heads_q}-{heads_kv}"
 
 
 def _pyplot():
@@ -204,7 +215,7 @@ def plot_speed(key: tuple, rows: Sequence[Measurement], path: Path) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("KV cache length" if key[0] == "decode" else "sequence length")
     ax.set_ylabel(rows[0].unit)
-    ax.set_title(_title(key), fontsize=10)
+    ax.set_title(_title(key, rows), fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -303,7 +314,7 @@ def _table(key: tuple, rows: Sequence[Measurement]) -> str:
                 tds.append(f'<td class="note" title="{html.escape(r.note)}">-</td>')
         body.append(f"<tr><td>{b}</td><td>{nq}</td><td>{nk}</td>{''.join(tds)}</tr>")
     return (
-        f"<table><caption>{html.escape(_title(key))}, {html.escape(rows[0].unit)}</caption>"
+        f"<table><caption>{html.escape(_title(key, rows))}, {html.escape(rows[0].unit)}</caption>"
         f"<tr><th>batch</th><th>Nq</th><th>Nk</th>{head}</tr>{''.join(body)}</table>"
     )
 
@@ -332,7 +343,7 @@ def write_report(results: Sequence[Path], out_dir: Path, ceilings: Ceilings | No
     for key, group in _groups(rows).items():
         name = f"speed_{_slug(key)}.png"
         plot_speed(key, group, out_dir / name)
-        parts.append(f'<img src="{name}" alt="{html.escape(_title(key))}">{_table(key, group)}')
+        parts.append(f'<img src="{name}" alt="{html.escape(_title(key, group))}">{_table(key, group)}')
     parts.append("<h2>Roofline</h2>")
     if ceilings is None:
         parts.append("<p>No ceilings given (tunegen report --ceilings FILE from tunegen bench ceilings).</p>")
