@@ -3,7 +3,8 @@
 The first call for a (Problem, Gpu) looks for a Winner (the user's database, then the shipped
 winners): for exactly this Problem, else for the nearest bucket with the same features (at most
 one doubling of each size away), else it takes the family's default Variant. It builds that
-kernel once, under a lock; every later call is a dict lookup. Winners tuned under another Triton version are used, with one warning.
+kernel once, under a lock; every later call is a dict lookup. Winners tuned under another
+Triton version are used, with one warning.
 """
 
 from __future__ import annotations
