@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Every GPU measurement the open issues still wait for, in priority order, for one GPU session
+# (an H100 or H200 through the device tool). Each step writes under $OUT (default ./gpu-results)
+# and a failing step is logged and skipped, so one broken kernel does not cost the rest.
+#   bash benchmarks/gpu_session.sh tests        # correctness first: the GPU legs of the suite
+#   bash benchmarks/gpu_session.sh bench        # the peers and the defaults, every family
+#   bash benchmarks/gpu_session.sh tune         # the suite's tuning runs, then bench again
+set -uo pipefail
+OUT=${OUT:-gpu-results}
+mkdir -p "$OUT"
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+
+step() {  # step NAME COMMAND...: run, log, keep going
+    local name=$1
+    shift
+    echo "=== $name: $*"
+    if "$@" >"$OUT/$name.log" 2>&1; then echo "ok"; else echo "FAILED (see $OUT/$name.log)"; fi
+    tail -n 25 "$OUT/$name.log"
+}
+
+tests() {
+    rm -rf /tmp/tunegen-tests && cp -r "$REPO/tests" /tmp/tunegen-tests && cp "$REPO/pyproject.toml" /tmp/
+    step gpu-tests python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider /tmp/tunegen-tests
+    step aot-demo python3 "$REPO/benchmarks/aot_demo/run.py" --work /tmp/aot_demo
+}
+
+bench() {
+    step ceilings tunegen bench ceilings -o "$OUT/ceilings.json"
+    step dispatch-overhead python3 "$REPO/benchmarks/dispatch_overhead.py"
+    step bench-decode tunegen bench decode -o "$OUT/decode.csv"
+    step bench-fp8 tunegen bench fp8 -o "$OUT/fp8.json"
+    step fp8-accuracy python3 "$REPO/benchmarks/fp8_accuracy.py" -o "$OUT/fp8_accuracy.json"
+    step bench-backward tunegen bench backward -o "$OUT/backward.csv"
+    step bench-prefill tunegen bench prefill --impl tunegen,tunegen-default,sdpa-flash,sdpa-cudnn,flex \
+        -o "$OUT/prefill.csv"
+    step report tunegen report "$OUT"/prefill.csv "$OUT"/decode.csv "$OUT"/backward.csv "$OUT"/fp8.json \
+        --ceilings "$OUT/ceilings.json" -o "$OUT/report"
+}
+
+tune() {
+    export TUNEGEN_DB="sqlite:///$OUT/tuned.db"
+    local lengths=512,1024,2048,4096,8192,16384
+    step tune-d128 tunegen tune --shape 16,16,128 --seqlens $lengths --causal both --trials 30
+    step tune-d64 tunegen tune --shape 32,32,64 --seqlens $lengths --causal both --trials 30
+    step tune-d256 tunegen tune --shape 8,8,256 --seqlens $lengths --causal both --trials 30
+    step tune-decode tunegen tune --family decode --preset llama3-8b --batches 1,16,64 --seqlens 4096,32768 \
+        --trials 20
+    step tune-fp8 tunegen tune --shape 16,16,128 --causal both --seqlens 1024,4096,16384 --fp8 --trials 20
+    step tune-backward tunegen tune --family backward --shape 16,16,128 --seqlens $lengths --causal both \
+        --trials 30 --trial-timeout 300
+    step export-winners tunegen export --format json -o "$OUT/winners"
+    step bench-tuned tunegen bench all -o "$OUT/tuned"
+}
+
+for part in "${@:-tests}"; do "$part"; done
