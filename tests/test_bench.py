@@ -16,7 +16,16 @@ from tunegen.reference import attention_reference
     os.environ.get("TRITON_INTERPRET", "0") != "1", reason="runs the kernel under the interpreter"
 )
 @pytest.mark.parametrize("causal", [False, True])
-def test_tunegen_default_runs_the_default_variant_and_is_right(causal):
+def test_tunegen_default_runs_the_default_variant_and_is_right(causal, monkeypatch):
+    from tunegen.families import base, prefill
+    from tunegen.gpu import interpreter_gpu
+    from tunegen.problem import Problem
+
+    built = []
+    real_build = base.build
+    monkeypatch.setattr(
+        base, "build", lambda f, variant, p, g: built.append(variant) or real_build(f, variant, p, g)
+    )
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(2, 4, 37, 24, generator=gen, dtype=torch.float16)
     k, v = (torch.randn(2, 2, 45, 24, generator=gen, dtype=torch.float16) for _ in range(2))
@@ -25,7 +34,8 @@ def test_tunegen_default_runs_the_default_variant_and_is_right(causal):
     out = call(q, k, v)
     ref, _ = attention_reference(q, k, v, causal=causal, scale=24**-0.5)
     assert ((out.double() - ref).norm() / ref.norm()).item() < 2e-3
-    assert tunegen.explain(q, k, v, causal=causal)["source"] == "default"
+    problem = Problem(**tunegen.explain(q, k, v, causal=causal)["problem"])
+    assert built and built[-1] == prefill.FAMILY.default_variant(problem, interpreter_gpu())
 
 
 def test_unknown_implementations_are_named():
