@@ -1,30 +1,38 @@
-"""Pick the default prefill Variants for this GPU class: verify and time a small grid of
-hand-chosen Variants per (head dim, causal) on the bf16 suite at one sequence length.
+"""Pick the default prefill Variants for this GPU class: verify and time hand-chosen Variants of
+either schedule per (head dim, causal) on the bf16 suite, beside cuDNN and FlashAttention-2 (SDPA's
+backends) in the same run.
 
-Compiles every Variant in parallel worker processes first (Triton's cache is shared on disk),
-then checks each against float64 on sampled rows and times it on the GPU, one after another.
+Compiles every Variant in parallel worker processes first, each checked there against float64 at a
+ragged size (GQA, lengths no tile divides, outputs poisoned); Triton's cache is shared on disk, so
+the timing process reuses those builds. Then, one after another on the GPU, each Variant is checked
+again on sampled rows of each suite shape and timed. A kernel that hangs stops the run after
+`--hang-s` seconds with what was measured so far written out.
 
-    python benchmarks/prefill_defaults.py --seqlen 4096 -o results.json
+    python benchmarks/prefill_defaults.py --seqlens 1024,4096,16384 --schedules ws -o ws.json
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import datetime
+import faulthandler
 import functools
 import itertools
 import json
 import multiprocessing as mp
+import sys
 
 import torch
 
-from tunegen.bench import prefill_suite
+from tunegen import peers
+from tunegen.bench import Shape, prefill_suite
 from tunegen.families import base, prefill
 from tunegen.gpu import cuda_gpu
-from tunegen.reference import sampled_error
+from tunegen.reference import TOLERANCE, attention_reference, sampled_error
 from tunegen.timing import median_ms
 
-TILES = {
+TILES = {  # schedule "fa2": block_m, block_n, num_warps, num_stages
     64: [
         (128, 64, 4, 3),
         (128, 64, 8, 3),
@@ -55,110 +63,260 @@ TILES = {
         (128, 128, 8, 2),
     ],
 }
+WS = {  # schedule "ws": block_m, block_n, num_stages, consumers, pingpong, overlap, ctas_per_sm
+    64: [
+        (64, 128, 2, 3, True, False, 1),
+        (64, 64, 2, 3, True, True, 1),
+        (64, 128, 2, 2, True, True, 1),
+        (64, 128, 3, 2, True, True, 1),
+        (128, 64, 2, 2, True, True, 1),
+        (64, 128, 2, 3, False, False, 1),
+        (128, 64, 2, 1, False, True, 1),
+        (128, 64, 2, 1, False, True, 2),
+        (128, 64, 3, 1, False, True, 2),
+        (64, 128, 2, 1, False, True, 2),
+        (64, 64, 3, 1, False, True, 2),
+    ],
+    128: [
+        (64, 128, 2, 2, True, True, 1),
+        (64, 128, 2, 2, True, False, 1),
+        (64, 128, 2, 2, False, True, 1),
+        (64, 128, 2, 2, False, False, 1),
+        (64, 64, 3, 2, True, True, 1),
+        (64, 64, 2, 3, True, True, 1),
+        (64, 128, 2, 1, False, True, 1),
+        (128, 64, 2, 1, False, False, 1),
+        (64, 64, 2, 1, False, True, 2),
+        (64, 64, 2, 1, False, False, 2),
+    ],
+}
+PEERS = ("sdpa-cudnn", "sdpa-flash")
 
 
-def candidates(head_dim: int, causal: bool) -> list[prefill.PrefillVariant]:
+def candidates(head_dim: int, causal: bool, schedules: list[str]) -> list[prefill.PrefillVariant]:
+    """The Variants tried per (head dim, causal): for "ws" each tile shape also persistent and, for
+    causal, heaviest query blocks first within L2-sized groups of heads."""
     orders = [("head_inner", True), ("m_inner", False)] if causal else [("m_inner", False)]
     out = []
-    for (bm, bn, w, s), load, (order, rev) in itertools.product(TILES[head_dim], ("desc", "ptr"), orders):
-        out.append(
-            prefill.PrefillVariant(
-                block_m=bm, block_n=bn, num_warps=w, num_stages=s, load=load, order=order, reverse_m=rev
+    if "fa2" in schedules:
+        for (bm, bn, w, s), load, (order, rev) in itertools.product(TILES[head_dim], ("desc", "ptr"), orders):
+            out.append(
+                prefill.PrefillVariant(
+                    block_m=bm, block_n=bn, num_warps=w, num_stages=s, load=load, order=order, reverse_m=rev
+                )
             )
-        )
+    if "ws" in schedules and head_dim in WS:
+        ws_orders = [("grouped", True), ("m_inner", False)] if causal else [("m_inner", False)]
+        for (bm, bn, s, c, pp, ov, ctas), (order, rev), persistent in itertools.product(
+            WS[head_dim], ws_orders, (False, True)
+        ):
+            out.append(
+                prefill.PrefillVariant(
+                    schedule="ws",
+                    block_m=bm,
+                    block_n=bn,
+                    num_stages=s,
+                    consumers=c,
+                    pingpong=pp,
+                    overlap=ov,
+                    ctas_per_sm=ctas,
+                    persistent=persistent,
+                    order=order,
+                    reverse_m=rev,
+                )
+            )
     return out
 
 
-def _inputs(shape, seed=0):
+def _sized(shape: Shape, seqlen: int) -> Shape:
+    """The suite's shape at another length: 16k tokens per batch."""
+    return Shape(max(1, 16384 // seqlen), shape.heads, shape.kv_heads, seqlen, shape.head_dim, shape.causal)
+
+
+def _inputs(shape: Shape, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     mk = lambda h: torch.randn(shape.batch, h, shape.seqlen, shape.head_dim, generator=gen).cuda().bfloat16()
     return mk(shape.heads), mk(shape.kv_heads), mk(shape.kv_heads), gen
 
 
-def _compile(args):
+def _compile_and_check(args: tuple[Shape, str]) -> str | None:
+    """Build the Variant for the shape's Problem, then check it against float64 at a ragged size
+    with the same features; None when right, else why not."""
     shape, variant_json = args
     variant = prefill.PrefillVariant.from_json(variant_json)
     try:
         gpu = cuda_gpu(0)
         kernel = base.build(prefill.FAMILY, variant, shape.problem("bfloat16"), gpu)
-        q, k, v, _ = _inputs(shape)
-        kernel.launch(q, k, v, torch.empty_like(q), None, 0.1)
-        torch.cuda.synchronize()
-        return None
+        gen = torch.Generator().manual_seed(1)
+        mk = lambda h, n: torch.randn(2, h, n, shape.head_dim, generator=gen).cuda().bfloat16()
+        group = shape.heads // shape.kv_heads
+        q, k, v = mk(2 * group, 333), mk(2, 333), mk(2, 333)
+        out = torch.full_like(q, float("nan"))
+        kernel.launch(q, k, v, out, None, 0.3)
+        ref, _ = attention_reference(q, k, v, causal=shape.causal, scale=0.3)
+        err = float((out.double() - ref).norm() / ref.norm()) if not out.isnan().any() else float("nan")
+        return (
+            None if err < TOLERANCE["bfloat16"] else f"wrong at 2x{2 * group}x333: relative error {err:.2e}"
+        )
     except Exception as exc:
-        return f"{type(exc).__name__}: {str(exc)[:200]}"
+        return f"{type(exc).__name__}: {str(exc)[:300]}"
+
+
+def _label(v: dict) -> str:
+    if v["schedule"] == "ws":
+        pp = "pp" if v["pingpong"] else ""
+        ov = " ov" if v["overlap"] else ""
+        x2 = "x2" if v.get("ctas_per_sm", 1) == 2 else ""
+        text = f"ws {v['block_m']}x{v['block_n']} c{v['consumers']}{x2}{pp}{ov} s{v['num_stages']}"
+        text += " persistent" if v["persistent"] else ""
+    else:
+        text = f"fa2 {v['load']} {v['block_m']}x{v['block_n']} w{v['num_warps']} s{v['num_stages']}"
+    order = {"m_inner": "", "head_inner": " heads", "grouped": " grouped"}[v["order"]]
+    return text + order + (" rev" if v["reverse_m"] else "")
+
+
+def _time_peers(shape: Shape, q, k, v, gen) -> dict[str, float | None]:
+    times = {}
+    for name in PEERS:
+        fn = functools.partial(peers.sdpa(name, shape.causal), q, k, v)
+        try:
+            out = fn()
+            err = sampled_error(out, q, k, v, causal=shape.causal, scale=shape.head_dim**-0.5, generator=gen)
+            times[name] = median_ms(fn, warmup_ms=25, rep_ms=200) if err < TOLERANCE["bfloat16"] else None
+        except RuntimeError:
+            times[name] = None
+    return times
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--seqlen", type=int, default=4096)
+    ap.add_argument("--seqlens", default="4096")
     ap.add_argument("--head-dims", default="64,128,256")
+    ap.add_argument("--causal", default="both", choices=["both", "true", "false"])
+    ap.add_argument("--schedules", default="fa2", help="fa2, ws, or fa2,ws")
     ap.add_argument("--workers", type=int, default=14)
+    ap.add_argument("--hang-s", type=float, default=120.0, help="give up on a kernel that runs this long")
     ap.add_argument("-o", "--output", default=None)
     args = ap.parse_args()
+    seqlens = [int(x) for x in args.seqlens.split(",")]
     dims = [int(x) for x in args.head_dims.split(",")]
-    shapes = prefill_suite((args.seqlen,), dims)
-    jobs = [(s, v.to_json()) for s in shapes for v in candidates(s.head_dim, s.causal)]
-    with cf.ProcessPoolExecutor(args.workers, mp_context=mp.get_context("spawn")) as pool:
-        compile_errors = dict(zip(range(len(jobs)), pool.map(_compile, jobs), strict=False))
+    causal = {"both": (False, True), "true": (True,), "false": (False,)}[args.causal]
+    schedules = args.schedules.split(",")
     gpu = cuda_gpu(0)
-    results = []
-    for i, (shape, vj) in enumerate(jobs):
-        variant = prefill.PrefillVariant.from_json(vj)
-        rec = {
-            "shape": shape.__dict__,
-            "variant": variant.as_dict(),
-            "ms": None,
-            "tflops": None,
-            "err": None,
-            "note": compile_errors[i] or "",
-        }
-        if not rec["note"]:
+    provenance = {
+        "gpu": gpu.name,
+        "triton": gpu.triton_version,
+        "torch": gpu.torch_version,
+        "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    groups = prefill_suite(seqlens[:1], dims, causal)
+    jobs = []
+    for shape in groups:
+        problem = shape.problem("bfloat16")
+        defaults = [
+            prefill.FAMILY.default_variant(_sized(shape, n).problem("bfloat16"), gpu) for n in seqlens
+        ]
+        for v in dict.fromkeys(defaults + candidates(shape.head_dim, shape.causal, schedules)):
+            if prefill.FAMILY.constraint(v, problem, gpu) is None:
+                jobs.append((shape, v.to_json()))
+    print(f"{len(jobs)} kernels to build and check", flush=True)
+    with cf.ProcessPoolExecutor(args.workers, mp_context=mp.get_context("spawn")) as pool:
+        futures = [pool.submit(_compile_and_check, job) for job in jobs]
+        checked = []
+        for future in futures:
             try:
-                kernel = base.build(prefill.FAMILY, variant, shape.problem("bfloat16"), gpu)
-                q, k, v, gen = _inputs(shape)
-                out = torch.full_like(q, float("nan"))
-                scale = shape.head_dim**-0.5
-                kernel.launch(q, k, v, out, None, scale)
-                rec["err"] = sampled_error(out, q, k, v, causal=shape.causal, scale=scale, generator=gen)
-                if rec["err"] < 2e-2:
-                    run = functools.partial(kernel.launch, q, k, v, out, None, scale)
-                    rec["ms"] = median_ms(run, warmup_ms=25, rep_ms=100)
-                    rec["tflops"] = shape.problem("bfloat16").flops() / rec["ms"] / 1e9
-                else:
-                    rec["note"] = "wrong"
-            except Exception as exc:
-                rec["note"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-        results.append(rec)
-    if args.output:
-        with open(args.output, "w") as fh:
-            json.dump({"gpu": gpu.name, "seqlen": args.seqlen, "results": results}, fh, indent=1)
-    best: dict = {}
-    for r in results:
-        key = (r["shape"]["head_dim"], r["shape"]["causal"])
-        if r["tflops"] and (key not in best or r["tflops"] > best[key]["tflops"]):
-            best[key] = r
-    failed = [r for r in results if r["note"]]
-    print(f"{len(results)} variants, {len(failed)} failed or wrong")
-    for r in failed[:10]:
-        print("  ", r["variant"], r["note"][:150])
-    for key, r in sorted(best.items()):
-        v = r["variant"]
-        top = sorted(
-            (x for x in results if (x["shape"]["head_dim"], x["shape"]["causal"]) == key and x["tflops"]),
-            key=lambda x: -x["tflops"],
-        )[:4]
-        print(
-            f"D={key[0]} causal={key[1]}: "
-            + " | ".join(
-                f"{x['tflops']:.0f} {x['variant']['load']} "
-                f"{x['variant']['block_m']}x{x['variant']['block_n']} "
-                f"w{x['variant']['num_warps']} s{x['variant']['num_stages']} {x['variant']['order'][:1]}"
-                f"{'r' if x['variant']['reverse_m'] else ''}"
-                for x in top
-            )
-        )
+                checked.append(future.result(timeout=args.hang_s * 3))
+            except cf.TimeoutError:
+                checked.append("hung in the build-and-check worker")
+        for process in list(pool._processes.values()):
+            process.kill()
+    results: list[dict] = []
+
+    def write() -> None:
+        if args.output:
+            with open(args.output, "w") as fh:
+                json.dump({**provenance, "results": results}, fh, indent=1)
+
+    for (shape0, vj), note in zip(jobs, checked, strict=True):
+        if note:
+            results.append({"shape": shape0.__dict__, "variant": json.loads(vj), "ms": None, "note": note})
+            print("FAILED", _label(json.loads(vj)), shape0.head_dim, shape0.causal, note, flush=True)
+    for shape0 in groups:
+        for n in seqlens:
+            shape = _sized(shape0, n)
+            problem = shape.problem("bfloat16")
+            flops = problem.flops()
+            q, k, v, gen = _inputs(shape)
+            for name, ms in _time_peers(shape, q, k, v, gen).items():
+                results.append(
+                    {"shape": shape.__dict__, "impl": name, "ms": ms, "tflops": ms and flops / ms / 1e9}
+                )
+            for (s0, vj), note in zip(jobs, checked, strict=True):
+                if s0 != shape0 or note:
+                    continue
+                variant = prefill.PrefillVariant.from_json(vj)
+                rec = {
+                    "shape": shape.__dict__,
+                    "variant": variant.as_dict(),
+                    "ms": None,
+                    "tflops": None,
+                    "note": "",
+                }
+                faulthandler.dump_traceback_later(args.hang_s, exit=True)
+                try:
+                    kernel = base.build(prefill.FAMILY, variant, problem, gpu)
+                    out = torch.full_like(q, float("nan"))
+                    scale = shape.head_dim**-0.5
+                    kernel.launch(q, k, v, out, None, scale)
+                    rec["err"] = sampled_error(out, q, k, v, causal=shape.causal, scale=scale, generator=gen)
+                    if rec["err"] < TOLERANCE["bfloat16"]:
+                        rec["ms"] = median_ms(
+                            functools.partial(kernel.launch, q, k, v, out, None, scale),
+                            warmup_ms=25,
+                            rep_ms=200,
+                        )
+                        rec["tflops"] = flops / rec["ms"] / 1e9
+                    else:
+                        rec["note"] = f"wrong: relative error {rec['err']:.2e}"
+                except Exception as exc:
+                    rec["note"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                faulthandler.cancel_dump_traceback_later()
+                results.append(rec)
+            write()
+            del q, k, v
+            torch.cuda.empty_cache()
+    write()
+    _print_table(results, groups, seqlens)
+
+
+def _print_table(results: list[dict], groups: list[Shape], seqlens: list[int]) -> None:
+    """Per (head dim, causal) and length: cuDNN, FA2, the default, the best of each schedule."""
+    for shape0 in groups:
+        print(f"\nD={shape0.head_dim} causal={shape0.causal} (TFLOP/s; ratio to cuDNN)")
+        for n in seqlens:
+            rows = [
+                r
+                for r in results
+                if r["shape"]["head_dim"] == shape0.head_dim
+                and r["shape"]["causal"] == shape0.causal
+                and r["shape"]["seqlen"] == n
+                and r.get("tflops")
+            ]
+            cudnn = next((r["tflops"] for r in rows if r.get("impl") == "sdpa-cudnn"), None)
+            flash = next((r["tflops"] for r in rows if r.get("impl") == "sdpa-flash"), None)
+            line = f"  N={n:5d} cudnn {cudnn or 0:4.0f} flash {flash or 0:4.0f}"
+            for schedule in ("fa2", "ws"):
+                mine = sorted(
+                    (r for r in rows if r.get("variant", {}).get("schedule") == schedule),
+                    key=lambda r: -r["tflops"],
+                )
+                if mine:
+                    ratio = mine[0]["tflops"] / cudnn if cudnn else float("nan")
+                    line += (
+                        f" | {schedule} {mine[0]['tflops']:4.0f} ({ratio:.2f}) {_label(mine[0]['variant'])}"
+                    )
+            print(line, flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,12 +1,15 @@
 """Build the package's shipped winners for a GPU from measured search results.
 
-Each Problem's shipped Winner is the fastest Variant of an exhaustive grid measured on that GPU
-(`benchmarks/search_quality.py` output), with the time, error and peer measured in that run and
-the template hash of the commit it was measured at. Only Variants that beat the family's default
-in the same measurements are worth shipping; the others are left to the defaults.
+Each Problem's shipped Winner is the fastest Variant of a grid measured on that GPU, with the
+time, error and peer measured in that run and the template hash of the commit it was measured
+at. Two kinds of grid: `benchmarks/search_quality.py` output (exhaustive, one Problem per row)
+and `benchmarks/prefill_defaults.py` output (hand-picked Variants of both schedules over the
+suite's lengths, beside SDPA's backends). Only Variants that beat the family's default in the
+same measurements are worth shipping; the others are left to the defaults. Where several files
+measured one Problem, the last one given wins.
 
-    python benchmarks/ship_winners.py benchmarks/results/search_quality_h100_run2.json \
-        --commit 07b247a -o tuning_db/shipped/h100.json
+    python benchmarks/ship_winners.py benchmarks/results/prefill_ws_h100_sweep2.json \\
+        benchmarks/results/prefill_ws_h100_sweep3.json --commit 1234abc -o tuning_db/shipped/h100.json
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ import json
 import subprocess
 from pathlib import Path
 
+from tunegen.bench import Shape
+from tunegen.families import prefill
+from tunegen.gpu import Gpu
 from tunegen.problem import Problem
 from tunegen.tuning_db.exchange import FORMAT, VERSION, parse_document
 
@@ -47,40 +53,88 @@ def template_hash_at(commit: str, template: str) -> str:
     return digest.hexdigest()[:16]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("results", type=Path)
-    parser.add_argument("--commit", required=True, help="the commit the grid was measured at")
-    parser.add_argument("-o", "--output", type=Path, required=True)
-    args = parser.parse_args()
-    data = json.loads(args.results.read_text())
+def _record(
+    problem: dict, variant: dict, ms: float, tflops: float, err: float, peer: tuple, data: dict
+) -> dict:
+    return {
+        "family": problem["family"],
+        "problem": problem,
+        "variant": variant,
+        "median_ms": ms,
+        "tflops": tflops,
+        "gbps": None,
+        "rel_err": err,
+        "peer": {"name": peer[0], "ms": peer[1]},
+        "triton_version": data["triton"],
+        "torch_version": data["torch"],
+        "cuda_version": "13.0",
+        "created_at": datetime.datetime.fromisoformat(data["measured_at"]).isoformat(),
+    }
+
+
+def search_quality_winners(data: dict) -> list[dict]:
+    """Each row's grid-best, from `search_quality.py` output."""
     winners = []
+    fields = {f.name for f in dataclasses.fields(Problem)}
     for row in data["rows"]:
         grid = row["grid"]
         chosen = json.dumps(grid["variant"], sort_keys=True, separators=(",", ":"))
         trial = next(t for t in grid["trials"] if t.get("evaluated") and t["variant"] == chosen)
-        fields = {f.name for f in dataclasses.fields(Problem)}
         problem = Problem(**{k: v for k, v in row.items() if k in fields}).as_dict()
+        peer = (grid["peer"], grid["peer_ms"])
         winners.append(
-            {
-                "family": row["family"],
-                "problem": problem,
-                "variant": grid["variant"],
-                "median_ms": grid["ms"],
-                "tflops": grid["tflops"],
-                "gbps": None,
-                "rel_err": trial["rel_err"],
-                "peer": {"name": grid["peer"], "ms": grid["peer_ms"]},
-                "triton_version": data["triton"],
-                "torch_version": data["torch"],
-                "cuda_version": "13.0",
-                "template_hash": template_hash_at(args.commit, "attention_fwd.py.j2"),
-                "created_at": datetime.datetime(
-                    2026, 11, 22, 18, 9, tzinfo=datetime.timezone.utc
-                ).isoformat(),
-            }
+            _record(problem, grid["variant"], grid["ms"], grid["tflops"], trial["rel_err"], peer, data)
+        )
+    return winners
+
+
+def defaults_run_winners(data: dict, gpu: Gpu) -> list[dict]:
+    """Per suite shape of a `prefill_defaults.py` run, its fastest verified Variant, where it beat
+    the family's default measured in the same run."""
+    by_shape: dict[str, list[dict]] = {}
+    for row in data["results"]:
+        by_shape.setdefault(json.dumps(row["shape"], sort_keys=True), []).append(row)
+    winners = []
+    for rows in by_shape.values():
+        shape = Shape(**rows[0]["shape"])
+        problem = shape.problem("bfloat16")
+        timed = [r for r in rows if "variant" in r and r.get("ms")]
+        peers = [(r["impl"], r["ms"]) for r in rows if "impl" in r and r.get("ms")]
+        if not timed or not peers:
+            continue
+        best = min(timed, key=lambda r: r["ms"])
+        default = prefill.FAMILY.default_variant(problem, gpu).as_dict()
+        default_ms = next((r["ms"] for r in timed if r["variant"] == default), None)
+        if default_ms is not None and best["ms"] >= default_ms:
+            continue
+        variant = prefill.PrefillVariant(**best["variant"]).as_dict()
+        peer = min(peers, key=lambda p: p[1])
+        winners.append(
+            _record(problem.as_dict(), variant, best["ms"], best["tflops"], best["err"], peer, data)
+        )
+    return winners
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("results", type=Path, nargs="+")
+    parser.add_argument("--commit", required=True, help="the commit the grids were measured at")
+    parser.add_argument("-o", "--output", type=Path, required=True)
+    args = parser.parse_args()
+    gpu = Gpu(H100["name"], (9, 0), H100["sm_count"], H100["smem_per_block"], "3.6.0", "", "cuda")
+    template = template_hash_at(args.commit, prefill.FAMILY.template)
+    winners: dict[str, dict] = {}
+    sources = []
+    for path in args.results:
+        data = json.loads(path.read_text())
+        found = search_quality_winners(data) if "rows" in data else defaults_run_winners(data, gpu)
+        for winner in found:
+            winner["template_hash"] = template
+            winners[json.dumps(winner["problem"], sort_keys=True)] = winner
+        sources.append(
+            f"{path.name} (Triton {data['triton']}, torch {data['torch']}, {data['measured_at'][:10]})"
         )
     document = {
         "format": FORMAT,
@@ -88,11 +142,10 @@ def main() -> None:
         "gpu": H100,
         "exported_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "provenance": (
-            f"grid-best Variants from {args.results.name} (exhaustive grids on one H100 80GB HBM3, "
-            f"Triton {data['triton']}, torch {data['torch']}, 2026-11-22) at commit {args.commit}; "
-            "built by benchmarks/ship_winners.py"
+            f"grid-best Variants on one H100 80GB HBM3 from {'; '.join(sources)}, at commit "
+            f"{args.commit}; built by benchmarks/ship_winners.py"
         ),
-        "winners": winners,
+        "winners": [winners[key] for key in sorted(winners)],
     }
     parse_document(document)  # refuse to write what the package could not load
     args.output.write_text(json.dumps(document, indent=1, sort_keys=True) + "\n")

@@ -4,6 +4,8 @@ such as non-constexpr globals that only the compiler rejects."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from tunegen.compiler import CompileJob, compile_many
 from tunegen.families import backward, decode, prefill
 from tunegen.gpu import Gpu
@@ -11,7 +13,7 @@ from tunegen.problem import Problem
 from tunegen.render import render
 
 TARGETS = {
-    "hopper": Gpu("H100", (9, 0), 132, 232448, "", "", "cuda"),
+    "hopper": Gpu("H100", (9, 0), 132, 232448, "3.6.0", "", "cuda"),
     "ampere": Gpu("A100", (8, 0), 108, 166912, "", "", "cuda"),
 }
 CASES = [
@@ -120,3 +122,33 @@ def test_fp8_variants_compile_for_hopper_with_e4m3_tensor_cores():
     for variant, report in zip(variants, reports, strict=False):
         assert any(m.startswith("wgmma") and m.endswith(".e4m3.e4m3") for m in report.mma), report.mma
         assert any(m.endswith(".bf16.bf16") for m in report.mma) == (not variant.p_fp8), report.mma
+
+
+def test_ws_variants_compile_for_sm90_with_wgmma_and_without_spilling():
+    """The Hopper schedule is Gluon: it compiles offline for sm_90 like the rest, with its products
+    as wgmma (m64 by block_n, and by head_dim) and within the registers the constraint allows."""
+    gpu = dataclasses.replace(TARGETS["hopper"], triton_version="3.6.0")
+    ws = prefill.PrefillVariant(schedule="ws", block_n=128, consumers=2, pingpong=True, overlap=True)
+    grouped = dataclasses.replace(ws, block_n=64, num_stages=3, order="grouped")
+    cases = [  # dtype, head dim, causal, KV heads, lse, variant
+        ("bfloat16", 128, True, 4, True, ws),
+        ("float16", 128, False, 16, False, dataclasses.replace(ws, consumers=1, pingpong=False)),
+        ("bfloat16", 64, True, 16, True, dataclasses.replace(ws, consumers=3, block_n=64, persistent=True)),
+        ("bfloat16", 64, False, 1, True, dataclasses.replace(ws, block_m=128, block_n=64, producer_regs=40)),
+        ("bfloat16", 128, True, 16, False, grouped),
+        ("bfloat16", 64, True, 8, True, dataclasses.replace(ws, consumers=3, overlap=False, reverse_m=True)),
+    ]
+    jobs = []
+    for dtype, d, causal, kv_heads, lse, variant in cases:
+        problem = Problem("prefill", dtype, d, causal, 16, kv_heads, 2, 4096, 4096, return_lse=lse)
+        assert prefill.FAMILY.constraint(variant, problem, gpu) is None
+        jobs.append(_job(gpu, problem, variant))
+    for (dtype, d, *_, variant), job, report in zip(cases, jobs, compile_many(jobs, workers=2), strict=True):
+        assert report.error is None, (job.rendered.source.splitlines()[3], report.error)
+        assert 0 < report.shared_bytes <= gpu.smem_per_block
+        assert report.local_bytes is not None and report.local_bytes <= 64, report.local_bytes
+        operand = "bf16" if dtype == "bfloat16" else "f16"
+        for n in (variant.block_n, d):
+            assert f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{operand}.{operand}" in report.mma, (
+                report.mma
+            )

@@ -31,7 +31,7 @@ def _render(variant=None, **features):
             **features,
         }
     )
-    variant = variant or prefill.FAMILY.default_variant(problem, HOPPER)
+    variant = variant or prefill.PrefillVariant(block_m=128, block_n=64, num_warps=8, num_stages=3)
     return render(prefill.FAMILY.template, "prefill", variant, prefill.FAMILY.features(problem, HOPPER))
 
 
@@ -56,17 +56,30 @@ def test_features_are_rendered_away():
     assert "make_tensor_descriptor" not in _render(prefill.PrefillVariant(load="ptr")).source
 
 
+def test_ws_features_are_rendered_away():
+    ws = prefill.PrefillVariant(schedule="ws", block_n=128, consumers=2, pingpong=True, overlap=True)
+    plain = _render(ws).source
+    assert "from triton.experimental import gluon" in plain and "@gluon.jit" in plain
+    assert "diag" not in plain and "gl.store(ptr_lse" not in plain and "group_heads" not in plain
+    assert "diag = seqlen_k - seqlen_q" in _render(ws, causal=True).source
+    assert "gl.store(ptr_lse" in _render(ws, return_lse=True).source
+    assert "GROUP = gl.constexpr(4)" in _render(ws, num_heads_kv=2).source
+    assert "group_heads" in _render(ws.replace(order="grouped", reverse_m=True), causal=True).source
+    assert "turn_bars.index(cid), phase)" in plain
+    assert "turn_bars.index(cid), phase)" not in _render(ws.replace(pingpong=False)).source
+    assert "if seqlen_k > 0:" in plain and "if seqlen_k > 0:" not in _render(ws.replace(overlap=False)).source
+    assert "MAXNREG = None" in plain
+    two = ws.replace(consumers=1, pingpong=False, block_n=64, ctas_per_sm=2)
+    assert "MAXNREG = 128" in _render(two).source
+    ast.parse(plain)
+
+
 def test_cache_file_holds_the_source():
     rendered = _render(head_dim=64)
     module = load(rendered, interpret=True)
     path = cache_dir() / f"{rendered.module_name}.py"
     assert path.read_text() == rendered.source
-    assert (
-        module.BLOCK_M.value
-        == prefill.FAMILY.default_variant(
-            Problem("prefill", "bfloat16", 64, False, 8, 8, 1, 1024, 1024), HOPPER
-        ).block_m
-    )
+    assert module.BLOCK_M.value == 128, "the module holds the Variant it was rendered for"
     assert template_hash(prefill.FAMILY.template) in rendered.source
 
 

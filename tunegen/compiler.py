@@ -12,6 +12,8 @@ import concurrent.futures
 import dataclasses
 import multiprocessing
 import re
+import subprocess
+import tempfile
 from collections.abc import Sequence
 
 from tunegen.render import Rendered, interpreting, load
@@ -21,14 +23,16 @@ TRITON_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 
 @dataclasses.dataclass(frozen=True)
 class CompileReport:
-    """What compiling one kernel for one target produced: shared memory and the tensor-core
-    instructions in its PTX (whether FP8 products run as e4m3 wgmma, for one), or the
-    compiler's error."""
+    """What compiling one kernel for one target produced: shared memory, the tensor-core
+    instructions in its PTX (whether FP8 products run as e4m3 wgmma, for one), the registers per
+    thread it launches with and the local memory (spills) its cubin uses, or the compiler's error."""
 
     capability: tuple[int, int]
     shared_bytes: int | None
     error: str | None = None
     mma: tuple[str, ...] = ()
+    registers: int | None = None
+    local_bytes: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,14 +68,47 @@ def compile_for(job: CompileJob) -> CompileReport:
             if name.startswith("stride_") or types[name].startswith("*")
         ]
         attrs = {index: [["tt.divisibility", 16]] for index in aligned}
-        source = ASTSource(kernel, types, constexprs=constexprs, attrs=attrs)
+        if kernel.is_gluon():
+            from triton.experimental.gluon._runtime import GluonASTSource
+
+            source = GluonASTSource(kernel, types, constexprs=constexprs, attrs=attrs)
+        else:
+            source = ASTSource(kernel, types, constexprs=constexprs, attrs=attrs)
         arch = job.capability[0] * 10 + job.capability[1]
         options = {"num_warps": module.NUM_WARPS, "num_stages": module.NUM_STAGES}
+        if getattr(module, "MAXNREG", None) is not None:
+            options["maxnreg"] = module.MAXNREG
         compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
     except Exception as exc:  # the compiler's verdict is the result
         return CompileReport(job.capability, None, f"{type(exc).__name__}: {exc}")
     mma = tuple(sorted(set(re.findall(r"\b(?:wgmma\.mma_async|mma\.sync)[\w.]*", compiled.asm["ptx"]))))
-    return CompileReport(job.capability, int(compiled.metadata.shared), mma=mma)
+    registers, local = _resource_usage(compiled.asm["cubin"])
+    return CompileReport(
+        job.capability, int(compiled.metadata.shared), mma=mma, registers=registers, local_bytes=local
+    )
+
+
+def _resource_usage(cubin: bytes) -> tuple[int | None, int | None]:
+    """Registers per thread at launch and local-memory bytes (spills, stack) of a cubin, from
+    cuobjdump, which Triton ships beside ptxas."""
+    import triton
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
+        handle.write(cubin)
+        handle.flush()
+        try:
+            text = subprocess.run(
+                [triton.knobs.nvidia.cuobjdump.path, "-res-usage", handle.name],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+        except (OSError, subprocess.CalledProcessError):
+            return None, None
+    usage = dict(re.findall(r"\b(REG|STACK|LOCAL):(\d+)", text))
+    if "REG" not in usage:
+        return None, None
+    return int(usage["REG"]), int(usage.get("STACK", 0)) + int(usage.get("LOCAL", 0))
 
 
 def compile_many(jobs: Sequence[CompileJob], workers: int | None = None) -> list[CompileReport]:

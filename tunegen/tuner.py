@@ -24,6 +24,7 @@ import torch
 
 from tunegen.database import database_url, gpu_record, open_store
 from tunegen.families import get
+from tunegen.families.base import choose
 from tunegen.gpu import Gpu, driver_version
 from tunegen.problem import Problem
 from tunegen.render import template_hash
@@ -76,7 +77,8 @@ class _Grid(optuna.samplers.GridSampler):
 def make_sampler(name: str, seed: int, space: dict[str, list]) -> optuna.samplers.BaseSampler:
     """The Optuna sampler called `name`, seeded."""
     if name == "tpe":
-        return optuna.samplers.TPESampler(seed=seed, multivariate=True, constant_liar=True)
+        # group: knobs of one schedule are searched together, apart from another schedule's.
+        return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, constant_liar=True)
     if name == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     if name == "grid":
@@ -176,8 +178,11 @@ class Tuner:
             # The default Variant goes first, so a Winner is never slower than what dispatch
             # would run untuned.
             default = family.default_variant(problem, self.gpu).as_dict()
-            if all(default[name] in values for name, values in space.items()):
-                study.enqueue_trial({name: default[name] for name in space})
+            params = choose(
+                family, space, lambda name, values: default[name] if default[name] in values else None
+            )
+            if None not in params.values():
+                study.enqueue_trial(params)
         problem_dict = problem.as_dict()
         known_failures = self.store.failures(
             self.record, problem.family, problem_dict, self.gpu.triton_version
@@ -201,7 +206,7 @@ class Tuner:
                 trial = study.ask()
                 asked += 1
                 trial.set_user_attr("owner", _owner())
-                params = {name: trial.suggest_categorical(name, values) for name, values in space.items()}
+                params = choose(family, space, trial.suggest_categorical)
                 variant, reason = self._screen(family, params, problem, study, trial, known_failures)
                 if reason is not None:
                     trial.set_user_attr("reason", reason)

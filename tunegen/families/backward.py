@@ -52,6 +52,7 @@ class BackwardFamily:
     name = "backward"
     template = "attention_bwd.py.j2"
     variant_type = BackwardVariant
+    conditions: ClassVar[dict[str, tuple[str, tuple]]] = {}
 
     def features(self, problem: Problem, gpu: Gpu) -> dict[str, Any]:
         return {

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any, Protocol
+import itertools
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar, Protocol
 
 from tunegen.gpu import Gpu
 from tunegen.problem import Problem
@@ -38,6 +39,9 @@ class Family(Protocol):
     name: str
     template: str
     variant_type: type[Variant]
+    # Knobs that matter only for some values of another knob: knob -> (that knob, those values).
+    # Elsewhere the knob keeps its default and the tuner does not search it.
+    conditions: ClassVar[dict[str, tuple[str, tuple]]]
 
     def features(self, problem: Problem, gpu: Gpu) -> dict[str, Any]:
         """The Problem's features the template renders away, for this Gpu."""
@@ -66,6 +70,38 @@ class Family(Protocol):
     def measure(self, problem: Problem) -> tuple[str, float]:
         """What a run's speed is counted in: ("TFLOP/s", FLOPs) or ("GB/s", bytes moved)."""
         ...
+
+
+def choose(family: Family, space: dict[str, list], pick: Callable[[str, list], Any]) -> dict[str, Any]:
+    """One point of a search space: `pick` chooses each knob's value in the space's order, except
+    knobs that do not apply given the values chosen before them (the family's conditions), which
+    keep their defaults."""
+    defaults = family.variant_type()
+    chosen: dict[str, Any] = {}
+    for name, values in space.items():
+        condition = family.conditions.get(name)
+        if condition is not None:
+            parent, allowed = condition
+            if chosen.get(parent, getattr(defaults, parent)) not in allowed:
+                continue
+        chosen[name] = pick(name, values)
+    return chosen
+
+
+def grid(family: Family, space: dict[str, list]) -> Iterator[Variant]:
+    """Every distinct Variant of a search space that the Variant type accepts, in order."""
+    seen = set()
+    for values in itertools.product(*space.values()):
+        point = dict(zip(space, values, strict=True))
+        chosen = choose(family, space, lambda name, _, point=point: point[name])
+        key = tuple(sorted(chosen.items()))
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            yield family.variant_type(**chosen)
+        except ValueError:
+            continue
 
 
 def build(family: Family, variant: Variant, problem: Problem, gpu: Gpu) -> Kernel:

@@ -43,6 +43,7 @@ class DecodeFamily:
     name = "decode"
     template = "attention_decode.py.j2"
     variant_type = DecodeVariant
+    conditions: ClassVar[dict[str, tuple[str, tuple]]] = {}
 
     def features(self, problem: Problem, gpu: Gpu) -> dict[str, Any]:
         return {

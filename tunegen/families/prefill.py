@@ -1,4 +1,6 @@
-"""The prefill family: FlashAttention-2 style forward over whole query sequences."""
+"""The prefill family: the forward over whole query sequences, in two schedules: FlashAttention-2's
+loop in Triton (every GPU and the interpreter) and FlashAttention-3's warp-specialized Hopper
+schedule in Gluon (sm_90)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,12 @@ from tunegen.problem import Problem
 from tunegen.variant import Variant
 
 LOADS = ("ptr", "desc")
-ORDERS = ("m_inner", "head_inner")
+ORDERS = ("m_inner", "head_inner", "grouped")
+SCHEDULES = ("fa2", "ws")
+FA2_KNOBS = ("num_warps", "causal_split", "load", "p_fp8", "v_trans")
+WS_KNOBS = ("consumers", "pingpong", "overlap", "persistent", "producer_regs", "ctas_per_sm")
+WS_HEAD_DIMS = (64, 128)
+REGISTER_FILE = 65536  # 32-bit registers per SM on every GPU tunegen targets
 
 
 def _pow2(n: int) -> bool:
@@ -25,12 +32,24 @@ class PrefillVariant(Variant):
     block_m, block_n: query and key tile sizes; num_warps, num_stages: Triton's launch knobs;
     causal_split: run the key blocks every row sees without masks, apart from the masked ones;
     load: "ptr" (pointer arithmetic) or "desc" (device-side tensor descriptors, TMA on Hopper);
-    order: which index varies fastest over the 1-D grid, query blocks ("m_inner") or
-    (batch, head) pairs ("head_inner"); reverse_m: visit the last query blocks first.
+    order: which index varies fastest over the 1-D grid, query blocks ("m_inner"), (batch, head)
+    pairs ("head_inner"), or heads within groups whose K and V fit in half the L2 ("grouped");
+    reverse_m: visit the last query blocks first (with "grouped", heaviest first per group).
     FP8 Problems only: p_fp8: P enters the second product as e4m3 (scaled by 256, both products
     in FP8) rather than bf16 with V widened (one rounding fewer, half-rate second product);
     v_trans: the launcher writes V as (head_dim, seqlen), the K-major layout Hopper's FP8
     tensor cores take for the second product's right operand, instead of transposing on chip.
+
+    schedule: "fa2" (the knobs above) or "ws", FlashAttention-3's warp-specialized Hopper
+    schedule, whose knobs are: block_m, the query rows of each consumer warpgroup (64 or 128);
+    block_n; num_stages, the depth of the K/V ring; consumers, warpgroups per program (1 to 3,
+    each its own block_m rows); pingpong, consumers take turns issuing their products; overlap,
+    each consumer's softmax runs while its previous product finishes (a second P tile of
+    registers); persistent, one program per SM walking the tiles; producer_regs, the TMA producer's
+    registers per thread (the consumers share the rest); ctas_per_sm, programs sharing an SM (2:
+    one consumer each, registers capped at launch); order and reverse_m. num_warps is 4
+    (one warpgroup). Knobs that do not apply to a schedule keep their defaults, so that two
+    different Variants are always two different kernels.
     """
 
     family: ClassVar[str] = "prefill"
@@ -45,6 +64,29 @@ class PrefillVariant(Variant):
     reverse_m: bool = False
     p_fp8: bool = True
     v_trans: bool = False
+    schedule: str = "fa2"
+    consumers: int = 1
+    pingpong: bool = False
+    overlap: bool = False
+    persistent: bool = False
+    producer_regs: int = 24
+    ctas_per_sm: int = 1
+
+    @property
+    def consumer_regs(self) -> int:
+        """Registers per thread of each consumer warpgroup ("ws"): what the producer's warpgroup
+        leaves of a program's share of the register file, split evenly, in multiples of 8
+        (setmaxnreg's unit), at most 256."""
+        per_warpgroup = REGISTER_FILE // self.ctas_per_sm // 128
+        return min(256, (per_warpgroup - self.producer_regs) // self.consumers // 8 * 8)
+
+    @property
+    def maxnreg(self) -> int | None:
+        """The register cap per thread at launch that lets `ctas_per_sm` programs share an SM
+        ("ws"); None leaves it to Triton (one program per SM)."""
+        if self.ctas_per_sm == 1:
+            return None
+        return REGISTER_FILE // (self.ctas_per_sm * 128 * (self.consumers + 1)) // 8 * 8
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -59,6 +101,38 @@ class PrefillVariant(Variant):
             raise ValueError(f"load: expected one of {LOADS}, got {self.load!r}")
         if self.order not in ORDERS:
             raise ValueError(f"order: expected one of {ORDERS}, got {self.order!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule: expected one of {SCHEDULES}, got {self.schedule!r}")
+        if self.schedule == "ws":
+            self._check_ws()
+        else:
+            fa2 = PrefillVariant.__dataclass_fields__
+            for name in WS_KNOBS:
+                if getattr(self, name) != fa2[name].default:
+                    raise ValueError(f"{name}: a knob of schedule 'ws'; schedule 'fa2' keeps its default")
+
+    def _check_ws(self) -> None:
+        if self.block_m not in (64, 128):
+            raise ValueError(f"block_m: schedule 'ws' takes 64 or 128 rows per consumer, got {self.block_m}")
+        if self.block_n < 32:
+            raise ValueError(f"block_n: schedule 'ws' takes key blocks of 32 to 256 rows, got {self.block_n}")
+        if self.num_warps != 4:
+            raise ValueError(f"num_warps: schedule 'ws' takes 4 (a warpgroup), got {self.num_warps}")
+        if not 2 <= self.num_stages <= 4:
+            raise ValueError(f"num_stages: schedule 'ws' takes a ring of 2 to 4 slots, got {self.num_stages}")
+        if self.consumers not in (1, 2, 3):
+            raise ValueError(f"consumers: expected 1, 2 or 3 warpgroups, got {self.consumers}")
+        if self.pingpong and self.consumers == 1:
+            raise ValueError("pingpong: consumers take turns, so it needs at least 2")
+        if self.producer_regs not in (24, 32, 40, 56):
+            raise ValueError(f"producer_regs: expected 24, 32, 40 or 56, got {self.producer_regs}")
+        if self.ctas_per_sm not in (1, 2):
+            raise ValueError(f"ctas_per_sm: expected 1 or 2, got {self.ctas_per_sm}")
+        if self.ctas_per_sm == 2 and self.consumers != 1:
+            raise ValueError("ctas_per_sm: two programs per SM leave registers for one consumer each")
+        for name in FA2_KNOBS:
+            if getattr(self, name) != PrefillVariant.__dataclass_fields__[name].default:
+                raise ValueError(f"{name}: a knob of schedule 'fa2'; schedule 'ws' keeps its default")
 
 
 def block_d(head_dim: int, fp8: bool = False) -> int:
@@ -89,10 +163,96 @@ def _check_fp8(variant: PrefillVariant, problem: Problem, gpu: Gpu) -> None:
         )
 
 
+def _check_ws(problem: Problem, gpu: Gpu) -> None:
+    """Where schedule "ws" runs: Hopper's wgmma and TMA (sm_90; not the interpreter, which cannot
+    run Gluon), Gluon as of Triton 3.6, 16-bit inputs whose rows TMA can address, head dims its
+    register budget was sized for, and dense batches (varlen and FP8 take schedule "fa2")."""
+    if gpu.backend != "cuda" or gpu.capability != (9, 0):
+        where = "Triton's interpreter" if gpu.backend == "interpreter" else f"{gpu.name} {gpu.capability}"
+        raise ValueError(f"variant.schedule: 'ws' needs a Hopper GPU (sm_90), not {where}")
+    if _triton_version(gpu.triton_version) < (3, 6):
+        raise ValueError(
+            f"variant.schedule: 'ws' is written for Triton >= 3.6's Gluon, not {gpu.triton_version}"
+        )
+    if problem.dtype not in ("float16", "bfloat16"):
+        raise ValueError(f"variant.schedule: 'ws' takes float16 or bfloat16 inputs, got {problem.dtype}")
+    if problem.head_dim not in WS_HEAD_DIMS:
+        raise ValueError(
+            f"variant.schedule: 'ws' takes head dims {WS_HEAD_DIMS}, got {problem.head_dim} ('fa2' runs it)"
+        )
+    if problem.varlen or problem.fp8:
+        raise ValueError("variant.schedule: 'ws' runs dense 16-bit batches; varlen and fp8 take 'fa2'")
+    if not problem.aligned:
+        raise ValueError("variant.schedule: 'ws' loads by TMA, which needs 16-byte aligned bases and strides")
+
+
+def _ws_constraint(variant: PrefillVariant, problem: Problem, gpu: Gpu) -> str | None:
+    """Schedule "ws" within the GPU's shared memory (every consumer's query and output tiles and
+    the K/V ring) and each consumer's registers: the float32 output and score tiles and the 16-bit
+    P tile of one warpgroup (two with overlap), plus 32 for the rest. Calibrated on sm_90 compiles
+    with Triton 3.6 (cuobjdump, ptxas): within this bound nothing spills inside the key loop."""
+    d = problem.head_dim
+    smem = (2 * variant.consumers * variant.block_m + 2 * variant.num_stages * variant.block_n) * d * 2 + 1024
+    # An SM holds one block's maximum plus 1 KB that each resident block reserves.
+    limit = (gpu.smem_per_block + 1024) // variant.ctas_per_sm - 1024
+    if smem > limit:
+        return (
+            f"shared memory: needs about {smem} bytes, {gpu.name} has {limit} per block "
+            f"for {variant.ctas_per_sm} per SM"
+        )
+    p_tiles = 2 if variant.overlap else 1
+    tile = variant.block_m * d + variant.block_m * variant.block_n * (2 + p_tiles) // 2
+    registers = tile // 128 + 32
+    if registers > variant.consumer_regs:
+        return (
+            f"registers: about {registers} per consumer thread, {variant.consumer_regs} left by "
+            f"{variant.consumers} consumers and a producer of {variant.producer_regs}"
+        )
+    return None
+
+
+def _ws_default(problem: Problem, gpu: Gpu) -> PrefillVariant | None:
+    """The Hopper schedule's measured best per head dim, mask and length on an H100 (bf16;
+    benchmarks/results/prefill_ws_h100.md), or None where it does not run or FlashAttention-2's
+    loop measured faster (head dim 64, causal, up to 2048 tokens, by 2-3%)."""
+    try:
+        _check_ws(problem, gpu)
+    except ValueError:
+        return None
+    n = problem.seqlen_q
+    two = PrefillVariant(schedule="ws", block_m=64, block_n=128, consumers=2, overlap=True)
+    pair = two.replace(block_n=64, consumers=1, ctas_per_sm=2)  # two one-consumer programs per SM
+    if problem.head_dim == 128:
+        if not problem.causal:
+            return two.replace(persistent=True)
+        return pair if n <= 1024 else two.replace(pingpong=True)
+    three = two.replace(consumers=3, pingpong=True, overlap=False)
+    if not problem.causal:
+        if n <= 512:
+            return pair.replace(block_m=128, num_stages=3, persistent=True)
+        return two.replace(pingpong=True, persistent=True) if n <= 1024 else three.replace(persistent=True)
+    if n <= 2048:
+        return None
+    return pair.replace(block_m=128) if n <= 4096 else three
+
+
+def _triton_version(text: str) -> tuple[int, int]:
+    try:
+        major, minor = text.split(".")[:2]
+        return int(major), int(minor)
+    except ValueError:
+        return (0, 0)
+
+
 class PrefillFamily:
     name = "prefill"
     template = "attention_fwd.py.j2"
     variant_type = PrefillVariant
+    conditions: ClassVar[dict[str, tuple[str, tuple]]] = {
+        **{k: ("schedule", ("fa2",)) for k in FA2_KNOBS},
+        **{k: ("schedule", ("ws",)) for k in WS_KNOBS if k != "pingpong"},
+        "pingpong": ("consumers", (2, 3)),  # consumers is itself a knob of "ws" only
+    }
 
     def features(self, problem: Problem, gpu: Gpu) -> dict[str, Any]:
         interpreted = gpu.backend == "interpreter"
@@ -113,6 +273,8 @@ class PrefillFamily:
     def check_variant(self, variant: Variant, problem: Problem, gpu: Gpu) -> None:
         if not isinstance(variant, PrefillVariant):
             raise ValueError(f"variant: expected a PrefillVariant, got {type(variant).__name__}")
+        if variant.schedule == "ws":
+            _check_ws(problem, gpu)
         if problem.fp8:
             _check_fp8(variant, problem, gpu)
         elif not variant.p_fp8 or variant.v_trans:
@@ -132,10 +294,12 @@ class PrefillFamily:
                 )
 
     def search_space(self, problem: Problem, gpu: Gpu) -> dict[str, list]:
-        """The knobs the tuner searches and their values for this Problem on this Gpu.
+        """The knobs the tuner searches and their values for this Problem on this Gpu, the
+        schedule first (the knobs of one schedule apply only to it: see `conditions`).
 
         Knobs that cannot matter are pinned: the causal program order only for causal
-        Problems, tensor descriptors only where the inputs and the GPU allow them.
+        Problems, tensor descriptors only where the inputs and the GPU allow them, the Hopper
+        schedule only where it runs.
         """
         if gpu.arch == "interpreter":
             tiles, warps, stages = [16, 32], [4], [1]
@@ -148,7 +312,14 @@ class PrefillFamily:
             and (gpu.arch == "interpreter" or gpu.capability >= (9, 0))
         ):
             loads.append("desc")
-        return {
+        schedules = ["fa2"]
+        try:
+            _check_ws(problem, gpu)
+            schedules.append("ws")
+        except ValueError:
+            pass
+        space = {
+            "schedule": schedules,
             "block_m": [t for t in tiles if t >= 16] if gpu.arch == "interpreter" else [64, 128],
             "block_n": [t for t in tiles if t >= 32] if problem.fp8 else tiles,
             "num_warps": warps,
@@ -160,6 +331,16 @@ class PrefillFamily:
             "p_fp8": [True, False] if problem.fp8 else [True],
             "v_trans": [False, True] if problem.fp8 else [False],
         }
+        if "ws" in schedules:
+            space.update(
+                consumers=[1, 2, 3],
+                pingpong=[False, True],
+                overlap=[False, True],
+                persistent=[False, True],
+                producer_regs=[24, 40],
+                ctas_per_sm=[1, 2],
+            )
+        return space
 
     def constraint(self, variant: PrefillVariant, problem: Problem, gpu: Gpu) -> str | None:
         """Why `variant` cannot run well on `gpu`, judged before compiling; None if it may.
@@ -174,6 +355,8 @@ class PrefillFamily:
             return str(exc)
         if gpu.arch == "interpreter":
             return None
+        if variant.schedule == "ws":
+            return _ws_constraint(variant, problem, gpu)
         d = block_d(problem.head_dim, problem.fp8)
         size = 1 if problem.fp8 else 4 if problem.dtype == "float32" else 2
         smem = variant.block_m * d * size + variant.num_stages * 2 * variant.block_n * d * size
@@ -188,9 +371,14 @@ class PrefillFamily:
     def default_variant(self, problem: Problem, gpu: Gpu) -> PrefillVariant:
         """Hand-picked per GPU class and head dim until the dispatcher serves tuned Winners.
 
-        The Hopper rows come from benchmarks/prefill_defaults.py on an H100 (bf16, N = 512 to
-        4096; see benchmarks/results/prefill_h100.md); the others are conservative guesses.
+        The Hopper rows come from benchmarks/prefill_defaults.py on an H100 (bf16, the suite's
+        N = 512 to 16384; see benchmarks/results/prefill_ws_h100.md and prefill_h100.md): the
+        warp-specialized schedule wherever it runs and measured faster, FlashAttention-2's loop
+        elsewhere. The other GPU classes' rows are conservative guesses.
         """
+        ws = _ws_default(problem, gpu)
+        if ws is not None:
+            return ws
         d = block_d(problem.head_dim, problem.fp8)
         if gpu.arch == "interpreter":
             return PrefillVariant(block_m=32, block_n=32, num_warps=4, num_stages=1)

@@ -1,0 +1,218 @@
+"""The Hopper schedule ("ws") of the prefill family: where it runs and where it refuses (CPU), and
+on an sm_90 GPU every knob and feature against float64 at ragged sizes, into poisoned outputs.
+
+Gluon kernels do not run under Triton's interpreter, so the CPU checks stop at the Variant, the
+family's rules and the offline sm_90 compile (tests/test_compile.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import HAS_CUDA, INTERPRETING
+
+import tunegen
+from helpers import REL_TOL, assert_lse, randn, rel_err, run_variant
+from tunegen.families import base, prefill
+from tunegen.gpu import Gpu, interpreter_gpu
+from tunegen.problem import Problem
+from tunegen.reference import attention_reference
+
+WS = prefill.PrefillVariant(
+    schedule="ws", block_m=64, block_n=128, num_stages=2, consumers=2, pingpong=True, overlap=True
+)
+H100 = Gpu("NVIDIA H100 80GB HBM3", (9, 0), 132, 232448, "3.6.0", "2.11", "cuda")
+PROBLEM = Problem("prefill", "bfloat16", 128, True, 16, 4, 2, 4096, 4096)
+
+
+def _is_hopper() -> bool:
+    return HAS_CUDA and not INTERPRETING and torch.cuda.get_device_capability() == (9, 0)
+
+
+HOPPER = pytest.mark.skipif(not _is_hopper(), reason="needs an sm_90 GPU, compiled kernels")
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"block_m": 32}, "block_m: schedule 'ws' takes 64 or 128"),
+        ({"num_warps": 8}, "num_warps: schedule 'ws' takes 4"),
+        ({"num_stages": 1}, "num_stages: schedule 'ws' takes a ring of 2 to 4"),
+        ({"consumers": 4}, "consumers: expected 1, 2 or 3"),
+        ({"consumers": 1}, "pingpong: consumers take turns"),
+        ({"producer_regs": 48}, "producer_regs: expected 24, 32, 40 or 56"),
+        ({"load": "desc"}, "load: a knob of schedule 'fa2'"),
+        ({"schedule": "fa3"}, "schedule: expected one of"),
+        ({"ctas_per_sm": 2}, "ctas_per_sm: two programs per SM leave registers for one consumer"),
+    ],
+)
+def test_ws_variant_rejects_knobs_that_do_not_apply(changes, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(WS, **changes)
+
+
+def test_fa2_variants_keep_the_ws_knobs_at_their_defaults():
+    with pytest.raises(ValueError, match="consumers: a knob of schedule 'ws'"):
+        prefill.PrefillVariant(consumers=2)
+    assert WS.consumer_regs == 240 and dataclasses.replace(WS, producer_regs=40).consumer_regs == 232
+    assert prefill.PrefillVariant().overlap is False, "ws knobs default off, as fa2 Variants keep them"
+    assert dataclasses.replace(WS, consumers=1, pingpong=False).consumer_regs == 256
+    assert dataclasses.replace(WS, consumers=3).consumer_regs == 160
+    two = dataclasses.replace(WS, consumers=1, pingpong=False, ctas_per_sm=2)
+    assert (two.consumer_regs, two.maxnreg, WS.maxnreg) == (232, 128, None)
+
+
+@pytest.mark.parametrize(
+    ("problem", "gpu", "message"),
+    [
+        (PROBLEM, interpreter_gpu(), "needs a Hopper GPU \\(sm_90\\), not Triton's interpreter"),
+        (PROBLEM, dataclasses.replace(H100, name="A100", capability=(8, 0)), "not A100 \\(8, 0\\)"),
+        (PROBLEM, dataclasses.replace(H100, capability=(10, 0)), "needs a Hopper GPU"),
+        (PROBLEM, dataclasses.replace(H100, triton_version="3.5.1"), "Triton >= 3.6's Gluon, not 3.5.1"),
+        (dataclasses.replace(PROBLEM, dtype="float32"), H100, "takes float16 or bfloat16"),
+        (dataclasses.replace(PROBLEM, head_dim=96), H100, "takes head dims \\(64, 128\\), got 96"),
+        (dataclasses.replace(PROBLEM, varlen=True), H100, "varlen and fp8 take 'fa2'"),
+        (dataclasses.replace(PROBLEM, aligned=False), H100, "16-byte aligned"),
+    ],
+)
+def test_ws_refuses_what_it_cannot_run_by_name(problem, gpu, message):
+    with pytest.raises(ValueError, match=r"variant\.schedule: 'ws' " + ".*" + message):
+        prefill.FAMILY.check_variant(WS, problem, gpu)
+
+
+def test_ws_space_on_hopper_only_and_searched_apart_from_fa2():
+    space = prefill.FAMILY.search_space(PROBLEM, H100)
+    assert space["schedule"] == ["fa2", "ws"] and space["consumers"] == [1, 2, 3]
+    assert prefill.FAMILY.search_space(PROBLEM, interpreter_gpu())["schedule"] == ["fa2"]
+    assert "consumers" not in prefill.FAMILY.search_space(dataclasses.replace(PROBLEM, head_dim=96), H100)
+    picked = base.choose(prefill.FAMILY, space, lambda name, values: values[-1])
+    assert picked["schedule"] == "ws" and "num_warps" not in picked and "load" not in picked
+    fa2 = base.choose(prefill.FAMILY, space, lambda name, values: values[0])
+    assert "consumers" not in fa2 and "pingpong" not in fa2 and fa2["num_warps"] == 4
+    variants = list(base.grid(prefill.FAMILY, space))
+    assert len(variants) == len(set(variants)), "the grid holds each Variant once"
+    assert {v.schedule for v in variants} == {"fa2", "ws"}
+    assert all(v.num_warps == 4 for v in variants if v.schedule == "ws")
+
+
+@pytest.mark.parametrize(
+    ("d", "changes", "reason"),
+    [
+        (128, {}, None),
+        (64, {"consumers": 3, "overlap": False}, None),
+        (64, {"consumers": 3}, "registers"),  # a second P tile does not fit in 160
+        (64, {"consumers": 3, "block_n": 64}, None),
+        (64, {"block_m": 128, "block_n": 64}, None),
+        (128, {"consumers": 3}, "registers"),
+        (64, {"block_m": 128}, "registers"),
+        (128, {"block_m": 128, "consumers": 1, "pingpong": False}, "registers"),
+        (128, {"num_stages": 3}, "shared memory"),
+        (128, {"consumers": 1, "pingpong": False, "ctas_per_sm": 2}, "shared memory"),
+        (128, {"consumers": 1, "pingpong": False, "ctas_per_sm": 2, "block_n": 64}, None),
+    ],
+)
+def test_ws_constraint_matches_what_sm90_compiles_without_spilling(d, changes, reason):
+    """Calibrated on sm_90 compiles (tests/test_compile.py checks the accepted side)."""
+    found = prefill.FAMILY.constraint(
+        dataclasses.replace(WS, **changes), dataclasses.replace(PROBLEM, head_dim=d), H100
+    )
+    assert (found is None) if reason is None else (reason in found), found
+
+
+# --- on the GPU -----------------------------------------------------------------------------
+
+KNOBS = [
+    WS,
+    dataclasses.replace(WS, pingpong=False),
+    dataclasses.replace(WS, overlap=False),
+    dataclasses.replace(WS, consumers=1, pingpong=False),
+    dataclasses.replace(WS, block_n=64, num_stages=3),
+    dataclasses.replace(WS, persistent=True, order="grouped", reverse_m=True),
+    dataclasses.replace(WS, persistent=True, order="head_inner"),
+    dataclasses.replace(WS, consumers=3, block_n=64, producer_regs=40),
+    dataclasses.replace(WS, consumers=3, overlap=False, order="grouped"),
+    dataclasses.replace(WS, consumers=1, pingpong=False, block_n=64, ctas_per_sm=2, persistent=True),
+]
+
+
+def _inputs(batch, hq, hkv, nq, nk, d, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return (
+        randn(batch, hq, nq, d, dtype=dtype, device="cuda", gen=gen),
+        randn(batch, hkv, nk, d, dtype=dtype, device="cuda", gen=gen),
+        randn(batch, hkv, nk, d, dtype=dtype, device="cuda", gen=gen),
+    )
+
+
+def _check(variant, q, k, v, causal, scale=0.3, return_lse=True):
+    out, lse = run_variant(variant, q, k, v, causal=causal, scale=scale, return_lse=return_lse)
+    ref, ref_lse = attention_reference(q, k, v, causal=causal, scale=scale)
+    assert rel_err(out, ref) < REL_TOL[q.dtype]
+    if return_lse:
+        assert_lse(lse, ref_lse, q.dtype)
+    return out
+
+
+@pytest.mark.gpu
+@HOPPER
+@pytest.mark.parametrize("variant", KNOBS, ids=lambda v: v.to_json())
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(("nq", "nk"), [(333, 333), (200, 517), (517, 190)], ids=str)
+@pytest.mark.parametrize("d", [64, 128])
+def test_every_ws_knob_against_float64(variant, causal, nq, nk, d):
+    """Ragged lengths (no multiple of any tile), GQA, batch 2, both causal alignments; queries
+    that see no key (causal, nq > nk) must come out as zeros with a log-sum-exp of -inf."""
+    if prefill.FAMILY.constraint(variant, dataclasses.replace(PROBLEM, head_dim=d), H100):
+        pytest.skip("outside the constraint at this head dim")
+    q, k, v = _inputs(2, 4, 2, nq, nk, d, torch.bfloat16, seed=nq * 7 + nk + d)
+    out = _check(variant, q, k, v, causal)
+    if causal and nq > nk:
+        assert torch.all(out[:, :, : nq - nk] == 0)
+
+
+@pytest.mark.gpu
+@HOPPER
+@pytest.mark.parametrize(
+    ("batch", "hq", "hkv", "nq", "nk", "dtype", "lse"),
+    [
+        (3, 8, 8, 1000, 1000, torch.float16, True),  # MHA, fp16
+        (1, 6, 1, 4099, 4099, torch.bfloat16, False),  # MQA, no log-sum-exp, longer than a few tiles
+        (4, 4, 2, 17, 17, torch.bfloat16, True),  # shorter than any tile
+        (1, 2, 1, 64, 300, torch.float16, True),  # exactly one query tile, more keys
+    ],
+)
+def test_ws_features_against_float64(batch, hq, hkv, nq, nk, dtype, lse):
+    for causal in (False, True):
+        q, k, v = _inputs(batch, hq, hkv, nq, nk, 128, dtype, seed=batch + nq)
+        _check(WS, q, k, v, causal, return_lse=lse)
+
+
+@pytest.mark.gpu
+@HOPPER
+def test_ws_strided_views_and_persistent_waves():
+    """(B, N, H, D) storage seen as (B, H, N, D), K and V interleaved in one tensor, output in q's
+    layout; a persistent grid with several tiles per SM."""
+    gen = torch.Generator().manual_seed(11)
+    q = randn(2, 777, 8, 128, dtype=torch.bfloat16, device="cuda", gen=gen).transpose(1, 2)
+    kv = randn(2, 777, 2, 2, 128, dtype=torch.bfloat16, device="cuda", gen=gen)
+    k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+    for variant in (WS, dataclasses.replace(WS, persistent=True)):
+        out = _check(variant, q, k, v, causal=True)
+        assert out.stride() == q.stride()
+    q, k, v = _inputs(16, 16, 16, 2048, 2048, 64, torch.bfloat16, seed=12)  # 512 tiles on 132 SMs
+    _check(dataclasses.replace(WS, persistent=True, consumers=3, block_n=64), q, k, v, causal=True)
+    grouped = dataclasses.replace(WS, persistent=True, order="grouped", reverse_m=True)
+    _check(grouped, q, k, v, causal=True)  # groups of 96 heads (50 MB L2) over 256: a partial last group
+
+
+@pytest.mark.gpu
+@HOPPER
+def test_public_call_serves_the_hopper_default():
+    """tunegen.attention on an sm_90 GPU: whatever the defaults pick, the answer is right."""
+    q, k, v = _inputs(2, 16, 4, 1500, 1500, 128, torch.bfloat16, seed=13)
+    for causal in (False, True):
+        out, lse = tunegen.attention(q, k, v, causal=causal, return_lse=True, strict=True)
+        ref, ref_lse = attention_reference(q, k, v, causal=causal, scale=128**-0.5)
+        assert rel_err(out, ref) < REL_TOL[q.dtype]
+        assert_lse(lse, ref_lse, q.dtype)
