@@ -52,3 +52,43 @@ def test_bench_all_needs_a_gpu(tmp_path):
     result = CliRunner().invoke(main, ["bench", "all", "-o", str(tmp_path / "out")])
     assert result.exit_code == 2 and "bench needs a CUDA GPU" in result.output
     assert not (tmp_path / "out").exists()
+
+
+def test_interleaved_timing_puts_every_call_in_every_position(monkeypatch):
+    """GPU clocks drift under load, so each implementation is timed once first, once second, ...
+    and reported by its median; a call's times never mix with another's."""
+    from tunegen import timing
+
+    order = []
+    monkeypatch.setattr(timing, "median_ms", lambda fn, **_: order.append(fn.__name__) or fn())
+    calls = {name: (lambda ms=ms, name=name: ms) for name, ms in (("a", 3.0), ("b", 1.0), ("c", 2.0))}
+    for name, fn in calls.items():
+        fn.__name__ = name
+    times = timing.interleaved_ms(calls)
+    assert times == {"a": 3.0, "b": 1.0, "c": 2.0}
+    rounds = [order[i : i + 3] for i in range(0, 9, 3)]
+    assert [r[0] for r in rounds] == ["a", "b", "c"] and all(sorted(r) == ["a", "b", "c"] for r in rounds)
+
+
+def test_check_then_time_times_only_what_is_right(monkeypatch):
+    """A refusal and a wrong answer become notes and are never timed; the rest are timed together."""
+    timed = []
+    monkeypatch.setattr(
+        bench, "interleaved_ms", lambda calls: timed.append(sorted(calls)) or dict.fromkeys(calls, 1.0)
+    )
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+
+    def refuse():
+        raise RuntimeError("no kernel for this shape\nmore")
+
+    results = bench.check_then_time(
+        {
+            "ok": (lambda: 0.001, float, 0.01),
+            "wrong": (lambda: 0.5, float, 0.01),
+            "refuses": (refuse, float, 0.01),
+        }
+    )
+    assert timed == [["ok"]]
+    assert results["ok"] == (1.0, 0.001, "")
+    assert results["wrong"][0] is None and results["wrong"][2] == "wrong: relative error 5.00e-01"
+    assert results["refuses"] == (None, None, "unsupported: RuntimeError: no kernel for this shape")

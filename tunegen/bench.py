@@ -23,7 +23,7 @@ from tunegen import fp8, peers
 from tunegen.gpu import cuda_gpu, gpu_of
 from tunegen.problem import DTYPE_NAMES, Problem
 from tunegen.reference import FP8_TOLERANCE, TOLERANCE, sampled_error, tolerance
-from tunegen.timing import median_ms, rate
+from tunegen.timing import interleaved_ms, rate
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -163,21 +163,31 @@ def _default_variant(causal: bool) -> Callable:
     return call
 
 
-def _check_then_time(
-    call: Callable[[], Any], error_of: Callable[[Any], float], bound: float
-) -> tuple[float | None, float | None, str]:
-    """Run `call` once and check its error against float64 is within `bound`; time it only if so.
-    Returns (median ms, relative error, note); a refusal or a wrong answer is the note."""
-    try:
-        out = call()
-        torch.cuda.synchronize()
-        err = error_of(out)
+def check_then_time(
+    calls: dict[str, tuple[Callable[[], Any], Callable[[Any], float], float]],
+) -> dict[str, tuple[float | None, float | None, str]]:
+    """Run each call once and check its error against float64 within its bound; then time the
+    calls that passed together, in rotated rounds (`interleaved_ms`). Returns, per name, (median
+    ms, relative error, note); a refusal or a wrong answer is the note."""
+    results: dict[str, tuple[float | None, float | None, str]] = {}
+    passed = {}
+    for name, (call, error_of, bound) in calls.items():
+        try:
+            out = call()
+            torch.cuda.synchronize()
+            err = error_of(out)
+        except Exception as exc:  # a peer refusing a shape is a result, not a crash
+            first = str(exc).splitlines()[0][:120] if str(exc) else ""
+            results[name] = (None, None, f"unsupported: {type(exc).__name__}: {first}")
+            continue
         if not err <= bound:
-            return None, err, f"wrong: relative error {err:.2e}"
-        return median_ms(call), err, ""
-    except Exception as exc:  # a peer refusing a shape is a result, not a crash
-        first = str(exc).splitlines()[0][:120] if str(exc) else ""
-        return None, None, f"unsupported: {type(exc).__name__}: {first}"
+            results[name] = (None, err, f"wrong: relative error {err:.2e}")
+            continue
+        results[name] = (None, err, "")
+        passed[name] = call
+    for name, ms in interleaved_ms(passed).items():
+        results[name] = (ms, results[name][1], "")
+    return {name: results[name] for name in calls}
 
 
 def _fits_math(shape: Shape, budget_bytes: float) -> bool:
@@ -212,19 +222,19 @@ def bench_prefill(
         )
         scale = shape.head_dim**-0.5
         flops = shape.problem(dtype).flops()
+        check = functools.partial(
+            sampled_error, q=q, k=k, v=v, causal=shape.causal, scale=scale, generator=gen
+        )
+        calls, results = {}, {}
         for name, fn in _implementations(impls, shape, device).items():
-            ms = tflops = err = None
-            note = ""
             if name == "sdpa-math" and not _fits_math(shape, free * 0.5):
-                note = "skipped: the N x N matrix does not fit"
+                results[name] = (None, None, "skipped: the N x N matrix does not fit")
             else:
-                check = functools.partial(
-                    sampled_error, q=q, k=k, v=v, causal=shape.causal, scale=scale, generator=gen
-                )
-                ms, err, note = _check_then_time(
-                    functools.partial(fn, q, k, v), check, TOLERANCE[DTYPE_NAMES[torch_dtype]]
-                )
-                tflops = rate("TFLOP/s", flops, ms) if ms else None
+                calls[name] = (functools.partial(fn, q, k, v), check, TOLERANCE[DTYPE_NAMES[torch_dtype]])
+        results.update(check_then_time(calls))
+        for name in impls:
+            ms, err, note = results[name]
+            tflops = rate("TFLOP/s", flops, ms) if ms else None
             row = _row(name, dtype, shape, ms, tflops, err, note, gpu.name, today)
             rows.append(row)
             if on_row is not None:
@@ -292,9 +302,10 @@ def bench_cases(
         family = get(problem.family)
         unit, work = family.measure(problem)
         case = family.case(problem, dispatch.kernel_for(problem, gpu), device, seed)
-        calls = {"tunegen": (case.launch, lambda _, case=case: case.error())}
-        calls.update({name: (call, case.peer_error) for name, call in case.peers.items()})
-        for name, (call, error) in calls.items():
+        bound = tolerance(problem)
+        calls = {"tunegen": (case.launch, lambda _, case=case: case.error(), bound)}
+        calls.update({name: (call, case.peer_error, bound) for name, call in case.peers.items()})
+        for name, (ms, err, note) in check_then_time(calls).items():
             row = {
                 "impl": name,
                 **problem.as_dict(),
@@ -308,8 +319,8 @@ def bench_cases(
                 "torch": torch.__version__,
                 "date": datetime.date.today().isoformat(),
             }
-            row["ms"], row["rel_err"], row["note"] = _check_then_time(call, error, tolerance(problem))
-            row["rate"] = rate(unit, work, row["ms"]) if row["ms"] else None
+            row["ms"], row["rel_err"], row["note"] = ms, err, note
+            row["rate"] = rate(unit, work, ms) if ms else None
             rows.append(row)
             if on_row is not None:
                 on_row(row)
@@ -381,8 +392,9 @@ def bench_fp8_prefill(
         for name in peer_names:
             fn = peers.sdpa(name, c)
             calls[name] = ("bf16", functools.partial(fn, q, k, v), check_bf16, TOLERANCE["bfloat16"])
-        for name, (dtype, call, check, bound) in calls.items():
-            ms, err, note = _check_then_time(call, check, bound)
+        results = check_then_time({name: spec[1:] for name, spec in calls.items()})
+        for name, (dtype, *_) in calls.items():
+            ms, err, note = results[name]
             tflops = rate("TFLOP/s", shape.problem("bfloat16").flops(), ms) if ms else None
             row = _row(name, dtype, shape, ms, tflops, err, note, gpu.name, today)
             rows.append(row)

@@ -16,6 +16,7 @@ import os
 import re
 import socket
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -77,8 +78,11 @@ class _Grid(optuna.samplers.GridSampler):
 def make_sampler(name: str, seed: int, space: dict[str, list]) -> optuna.samplers.BaseSampler:
     """The Optuna sampler called `name`, seeded."""
     if name == "tpe":
-        # group: knobs of one schedule are searched together, apart from another schedule's.
-        return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, constant_liar=True)
+        # group: knobs of one schedule are searched together, apart from another schedule's (an
+        # option Optuna still marks experimental, which users need not be warned about).
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, constant_liar=True)
     if name == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     if name == "grid":

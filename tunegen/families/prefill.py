@@ -236,6 +236,40 @@ def _ws_default(problem: Problem, gpu: Gpu) -> PrefillVariant | None:
     return pair.replace(block_m=128) if n <= 4096 else three
 
 
+def fa2_default(problem: Problem, gpu: Gpu) -> PrefillVariant:
+    """FlashAttention-2's loop as measured or guessed per GPU class and head dim: the default
+    wherever schedule "ws" does not run or measured slower."""
+    d = block_d(problem.head_dim, problem.fp8)
+    if gpu.arch == "interpreter":
+        return PrefillVariant(block_m=32, block_n=32, num_warps=4, num_stages=1)
+    if problem.dtype == "float32":
+        return PrefillVariant(block_m=64, block_n=32, num_warps=4, num_stages=1)
+    if problem.fp8:
+        if gpu.arch in ("hopper", "blackwell"):
+            load = "desc" if problem.aligned else "ptr"
+            return PrefillVariant(
+                block_m=128, block_n=128, num_warps=8, num_stages=3, load=load, v_trans=True
+            )
+        return PrefillVariant(block_m=128, block_n=64, num_warps=8, num_stages=2)
+    if gpu.arch in ("hopper", "blackwell"):
+        if d <= 128:
+            if problem.seqlen_q <= 512:
+                return PrefillVariant(block_m=64, block_n=64, num_warps=4, num_stages=3)
+            return PrefillVariant(block_m=128, block_n=64, num_warps=8, num_stages=3)
+        wide = PrefillVariant(block_m=128, block_n=64, num_warps=8, num_stages=2)
+        if problem.causal and problem.seqlen_q <= 2048:
+            return wide
+        load = "desc" if problem.aligned else "ptr"
+        if problem.causal:
+            return wide.replace(load=load, order="head_inner", reverse_m=True)
+        return wide.replace(load=load)
+    if d <= 64:
+        return PrefillVariant(block_m=128, block_n=64, num_warps=4, num_stages=3)
+    if d <= 128:
+        return PrefillVariant(block_m=128, block_n=64, num_warps=8, num_stages=2)
+    return PrefillVariant(block_m=64, block_n=32, num_warps=4, num_stages=2)
+
+
 def _triton_version(text: str) -> tuple[int, int]:
     try:
         major, minor = text.split(".")[:2]
@@ -377,37 +411,7 @@ class PrefillFamily:
         elsewhere. The other GPU classes' rows are conservative guesses.
         """
         ws = _ws_default(problem, gpu)
-        if ws is not None:
-            return ws
-        d = block_d(problem.head_dim, problem.fp8)
-        if gpu.arch == "interpreter":
-            return PrefillVariant(block_m=32, block_n=32, num_warps=4, num_stages=1)
-        if problem.dtype == "float32":
-            return PrefillVariant(block_m=64, block_n=32, num_warps=4, num_stages=1)
-        if problem.fp8:
-            if gpu.arch in ("hopper", "blackwell"):
-                load = "desc" if problem.aligned else "ptr"
-                return PrefillVariant(
-                    block_m=128, block_n=128, num_warps=8, num_stages=3, load=load, v_trans=True
-                )
-            return PrefillVariant(block_m=128, block_n=64, num_warps=8, num_stages=2)
-        if gpu.arch in ("hopper", "blackwell"):
-            if d <= 128:
-                if problem.seqlen_q <= 512:
-                    return PrefillVariant(block_m=64, block_n=64, num_warps=4, num_stages=3)
-                return PrefillVariant(block_m=128, block_n=64, num_warps=8, num_stages=3)
-            wide = PrefillVariant(block_m=128, block_n=64, num_warps=8, num_stages=2)
-            if problem.causal and problem.seqlen_q <= 2048:
-                return wide
-            load = "desc" if problem.aligned else "ptr"
-            if problem.causal:
-                return wide.replace(load=load, order="head_inner", reverse_m=True)
-            return wide.replace(load=load)
-        if d <= 64:
-            return PrefillVariant(block_m=128, block_n=64, num_warps=4, num_stages=3)
-        if d <= 128:
-            return PrefillVariant(block_m=128, block_n=64, num_warps=8, num_stages=2)
-        return PrefillVariant(block_m=64, block_n=32, num_warps=4, num_stages=2)
+        return ws if ws is not None else fa2_default(problem, gpu)
 
     def measure(self, problem: Problem) -> tuple[str, float]:
         return "TFLOP/s", problem.flops()
