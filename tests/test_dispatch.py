@@ -179,7 +179,8 @@ def test_choices_are_dataclasses():
 
 def test_the_shipped_h100_winners_are_served_and_valid(tmp_path, monkeypatch):
     """Every shipped Winner parses, passes its family's checks on the GPU it was tuned on, and is
-    what a lookup for its Problem on that GPU finds when the user's database is empty."""
+    what a lookup for its Problem on that GPU finds when the user's database is empty. (The H100
+    table holds none today: its defaults are the measured best; see its provenance.)"""
     from tunegen.database import winners_for
     from tunegen.families import get
     from tunegen.gpu import Gpu
@@ -188,7 +189,6 @@ def test_the_shipped_h100_winners_are_served_and_valid(tmp_path, monkeypatch):
 
     monkeypatch.setenv("TUNEGEN_DB", f"sqlite:///{tmp_path / 'empty.db'}")
     shipped = shipped_store().winners()
-    assert shipped, "the package ships tuned winners"
     for w in shipped:
         gpu = Gpu(
             w.gpu.name,
