@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_session.sh tests        # correctness first: the GPU legs of the suite
 #   bash benchmarks/gpu_session.sh bench        # the peers and the defaults, every family
 #   bash benchmarks/gpu_session.sh tune         # the suite's tuning runs, then bench again
+#   bash benchmarks/gpu_session.sh prefill      # both prefill schedules, ablation, bench, a profile
 set -uo pipefail
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
@@ -18,8 +19,12 @@ step() {  # step NAME COMMAND...: run, log, keep going
     tail -n 25 "$OUT/$name.log"
 }
 
-tests() {
+copy_tests() {  # the tests run from a copy: inside the checkout, tunegen resolves to the source folder
     rm -rf /tmp/tunegen-tests && cp -r "$REPO/tests" /tmp/tunegen-tests && cp "$REPO/pyproject.toml" /tmp/
+}
+
+tests() {
+    copy_tests
     step gpu-tests python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider /tmp/tunegen-tests
     step aot-demo python3 "$REPO/benchmarks/aot_demo/run.py" --work /tmp/aot_demo
 }
@@ -35,6 +40,19 @@ bench() {
         -o "$OUT/prefill.csv"
     step report tunegen report "$OUT"/prefill.csv "$OUT"/decode.csv "$OUT"/backward.csv "$OUT"/fp8.json \
         --ceilings "$OUT/ceilings.json" -o "$OUT/report"
+}
+
+prefill() {  # what benchmarks/results/prefill_ws_h100.md was measured with (issue 13)
+    copy_tests
+    step prefill-tests python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider /tmp/tunegen-tests/test_prefill_ws.py
+    step prefill-sweep python3 "$REPO/benchmarks/prefill_defaults.py" --seqlens 512,1024,2048,4096,8192,16384 \
+        --head-dims 64,128 --schedules ws -o "$OUT/prefill_sweep.json"
+    step prefill-ablation python3 "$REPO/benchmarks/prefill_ablation.py" --head-dim 128 --seqlens 4096,16384 \
+        -o "$OUT/prefill_ablation.json"
+    step prefill-bench tunegen bench prefill --head-dims 64,128 \
+        --impl tunegen,tunegen-default,sdpa-flash,sdpa-cudnn,flex -o "$OUT/prefill_ws.csv"
+    step prefill-ncu ncu --kernel-name attn_fwd --launch-skip 3 --launch-count 1 --section SpeedOfLight \
+        --section WarpStateStats python3 "$REPO/benchmarks/profile_prefill.py" --head-dim 128 --seqlen 1024 --causal
 }
 
 tune() {

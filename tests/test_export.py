@@ -335,6 +335,8 @@ def test_aot_export_compiles_offline_and_the_c_demo_builds_against_it(url, tmp_p
     problem = Problem("prefill", "float16", 64, True, 8, 2, 2, 512, 512)
     record(url, H100, problem.as_dict(), PrefillVariant(block_m=64, block_n=64, num_warps=4, num_stages=3))
     record(url, H100, dataclasses.replace(problem, dtype="bfloat16").as_dict(), PrefillVariant(load="desc"))
+    ws = PrefillVariant(schedule="ws", block_n=128, consumers=2, overlap=True)
+    record(url, H100, dataclasses.replace(problem, head_dim=128).as_dict(), ws, triton_version="3.6.0")
     record(url, gpu_record(interpreter_gpu()), problem.as_dict(), TILED)
     assert "--allow-mixed-gpus" in export(url, "aot", tmp_path, ok=False).output
     interpreted = export(url, "aot", tmp_path, "--gpu", "triton-interpreter", ok=False)
@@ -368,7 +370,8 @@ def test_aot_export_compiles_offline_and_the_c_demo_builds_against_it(url, tmp_p
     assert json.loads((root / "provenance.json").read_text()) == manifest["provenance"]
     (row,) = manifest["table"]
     assert row["problem"] == problem.as_dict() and row["gpu"]["capability"] == "9.0"
-    assert [k["reason"][:26] for k in manifest["skipped"]] == ["Triton's AOT compiler: Run"]
+    reasons = sorted(k["reason"] for k in manifest["skipped"])
+    assert [r[:26] for r in reasons] == ["Triton's AOT compiler: Run", "schedule 'ws' is a Gluon k"]
     kernel = manifest["kernels"][row["kernel"]]
     assert kernel["target"] == "cuda:90:32" and [c["aligned"] for c in kernel["cubins"]] == [True, False]
     for cubin in kernel["cubins"]:

@@ -220,6 +220,14 @@ def write_aot(selection: Selection, output: Path, workers: int | None = None) ->
             )
         elif s.gpu.backend != "cuda":
             skipped.append(Skipped(s.winner, f"tuned on {s.gpu.backend}, which is no GPU target"))
+        elif getattr(s.variant, "schedule", "fa2") == "ws":
+            skipped.append(
+                Skipped(
+                    s.winner,
+                    "schedule 'ws' is a Gluon kernel taking host-side TMA descriptors, which Triton's AOT "
+                    "compiler and its C launcher do not take (the python export carries it)",
+                )
+            )
         else:
             name = kernel_name(s)
             jobs[name] = AotJob(
