@@ -15,7 +15,6 @@ exhaustive grid of an earlier run of this script (its best Variant is re-timed h
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import os
@@ -24,7 +23,7 @@ import tempfile
 import optuna
 import torch
 
-from tunegen.families import get
+from tunegen.families import base, get
 from tunegen.gpu import cuda_gpu
 from tunegen.problem import Problem
 from tunegen.trial import evaluate_task
@@ -39,13 +38,10 @@ PROBLEMS = {
 
 
 def valid_grid(problem: Problem, gpu) -> int:
+    """How many distinct Variants of the Problem's (conditional) space pass the constraints."""
     family = get(problem.family)
     space = family.search_space(problem, gpu)
-    count = 0
-    for values in itertools.product(*space.values()):
-        variant = family.variant_type(**dict(zip(space, values, strict=True)))
-        count += family.constraint(variant, problem, gpu) is None
-    return count
+    return sum(family.constraint(v, problem, gpu) is None for v in base.grid(family, space))
 
 
 def trials_of(url: str, name: str) -> list[dict]:
