@@ -269,7 +269,7 @@ def bench_decode(batches, cache_lengths, heads, kv_heads, head_dim, page_sizes, 
         benchmarks.write_rows(rows, output)
     _print_cases(
         rows,
-        "decode bf16, GB/s of K/V read",
+        "decode bf16, GB/s of K/V read: kernel (L2 flushed) / eager call, host included / CUDA graph",
         {
             "B": lambda r: r["batch"],
             "cache": lambda r: r["seqlen_k"],
@@ -291,9 +291,10 @@ def _print_cases(rows: list[dict], title: str, columns: dict) -> None:
     cells: dict[tuple, dict[str, str]] = {}
     for r in rows:
         key = tuple(column(r) for column in columns.values())
-        cells.setdefault(key, {})[r["impl"]] = (
-            f"{r['rate']:.0f}" if r["rate"] else ("wrong" if "wrong" in r["note"] else "-")
-        )
+        cell = f"{r['rate']:.0f}" if r["rate"] else ("wrong" if "wrong" in r["note"] else "-")
+        if r["rate"] and "eager_rate" in r:
+            cell += "".join(f" / {r[k]:.0f}" if r[k] else " / -" for k in ("eager_rate", "graph_rate"))
+        cells.setdefault(key, {})[r["impl"]] = cell
     for key, row in cells.items():
         table.add_row(*(str(x) for x in key), *(row.get(n, "") for n in names))
     Console(width=200).print(table)

@@ -195,5 +195,72 @@ def test_decode_rejects(change, pattern):
     args = change({"q": q, "k_cache": kc, "v_cache": vc, "cache_seqlens": lens})
     with pytest.raises(ValueError, match=pattern):
         tunegen.decode_attention(
-            args.pop("q"), args.pop("k_cache"), args.pop("v_cache"), args.pop("cache_seqlens"), **args
+            args.pop("q"),
+            args.pop("k_cache"),
+            args.pop("v_cache"),
+            args.pop("cache_seqlens"),
+            check=True,
+            **args,
         )
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("page", [0, 16])
+def test_lengths_and_pages_that_do_not_fit_give_nan_and_touch_nothing(device, page, splits):
+    """Without check=True nothing is read back: a sequence whose length is negative or leaves no
+    room for its new tokens gets NaN and writes nothing; one whose block table names a page
+    outside the cache gets NaN (its new token, on a valid page, is still written); the others
+    are attended and appended as usual; nothing is written anywhere else."""
+    gen = torch.Generator().manual_seed(60 + page + splits)
+    dtype = torch.float16
+    batch, hq, hkv, d, nq, new, capacity = 4, 4, 2, 32, 1, 1, 64
+    k_cache, v_cache, table = make_cache(batch, hkv, d, [0] * batch, capacity, page, dtype, device, gen)
+    lengths = [20, capacity, -3, 33]  # fits, no room for the new token, negative, fits
+    if table is not None:
+        table[3, 1] = k_cache.shape[0] + 5  # sequence 3's second page lies outside the cache
+    q = torch.randn(batch, nq, hq, d, generator=gen).to(device, dtype)
+    k_new, v_new = (torch.randn(batch, new, hkv, d, generator=gen).to(device, dtype) for _ in range(2))
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    variant = decode.DecodeVariant(block_n=16, num_splits=splits, num_stages=1)
+    out, lse = run(variant, q, k_cache, v_cache, seqlens, table, k_new, v_new)
+    bad = [1, 2, 3] if page else [1, 2]
+    good = [b for b in range(batch) if b not in bad]
+    assert torch.isnan(out[bad]).all() and torch.isnan(lse[bad]).all()
+    assert not torch.isnan(out[good]).any()
+    for b in good:
+        n = lengths[b]
+        assert torch.equal(gathered(k_cache, table, b, n + new)[:, n:], k_new[b].transpose(0, 1))
+        one = slice(b, b + 1)
+        if table is None:
+            ref, _ = reference(q[one], k_cache[one], v_cache[one], None, [n + new], True, d**-0.5)
+        else:
+            ref, _ = reference(q[one], k_cache, v_cache, table[one], [n + new], True, d**-0.5)
+        assert rel_err(out[b : b + 1], ref) < REL_TOL[dtype]
+    written = torch.zeros(k_cache.shape[:2], dtype=torch.bool, device=device)
+    for b in (0, 3):
+        n = lengths[b]
+        if table is None:
+            written[b, n : n + new] = True
+        else:
+            written[table[b, n // page].long(), n % page] = True
+    assert torch.equal(k_cache[~written], before_k[~written]), "nothing written outside the good slots"
+    assert torch.equal(v_cache[~written], before_v[~written])
+
+
+def test_check_reads_lengths_back_and_names_the_problem(device):
+    q, kc, vc, _ = _inputs()
+    q, kc, vc = q.to(device), kc.to(device), vc.to(device)
+    lens = torch.tensor([3, 70], dtype=torch.int32, device=device)
+    out = tunegen.decode_attention(q, kc, vc, lens)
+    assert torch.isnan(out[1]).all() and not torch.isnan(out[0]).any()
+    with pytest.raises(ValueError, match=r"cache_seqlens: a sequence needs 70 slots"):
+        tunegen.decode_attention(q, kc, vc, lens, check=True)
+    import os
+
+    os.environ["TUNEGEN_CHECK"] = "1"
+    try:
+        with pytest.raises(ValueError, match=r"cache_seqlens: a sequence needs 70 slots"):
+            tunegen.decode_attention(q, kc, vc, lens)
+    finally:
+        del os.environ["TUNEGEN_CHECK"]

@@ -48,7 +48,7 @@ def test_the_fast_path_serves_repeat_calls_and_keeps_them_correct():
     gen = torch.Generator().manual_seed(32)
     q, k, v = (torch.randn(2, 4, 50, 64, generator=gen).cuda().half() for _ in range(3))
     tunegen.attention(q, k, v, causal=True)
-    assert len(dispatch.fast_kernels) == 1
+    assert len(dispatch.fast_calls) == 1
     for seed in (1, 2):
         fresh = torch.Generator().manual_seed(seed)
         for t in (q, k, v):
@@ -56,8 +56,8 @@ def test_the_fast_path_serves_repeat_calls_and_keeps_them_correct():
         out = tunegen.attention(q, k, v, causal=True)
         ref, _ = attention_reference(q, k, v, causal=True, scale=64**-0.5)
         assert rel_err(out, ref) < REL_TOL[torch.float16]
-    assert len(dispatch.fast_kernels) == 1, "repeat calls hit the fast path"
+    assert len(dispatch.fast_calls) == 1, "repeat calls hit the fast path"
     tunegen.attention(q.float(), k.float(), v.float(), causal=True)
-    assert len(dispatch.fast_kernels) == 2, "another dtype is another entry"
+    assert len(dispatch.fast_calls) == 2, "another dtype is another entry"
     with pytest.raises(ValueError, match=r"k: expected dtype torch\.float16 like q"):
         tunegen.attention(q, k.float(), v, causal=True)

@@ -86,3 +86,29 @@ def test_wheel_installs_and_runs_elsewhere(tmp_path):
     assert "def attn_fwd(" in rendered
     for top in ("cli", "templates", "tuning_db"):
         assert not Path(purelib, top).exists(), f"{top} must not pollute site-packages"
+
+
+def test_a_clone_runs_as_installed_without_installing(tmp_path):
+    """The repository's folders on PYTHONPATH, nothing of tunegen installed (python -S skips the
+    editable install's mapping): the rooms that install under tunegen.* are found in the clone."""
+    import shutil
+    import sysconfig
+
+    clone = tmp_path / "clone"
+    for room in ("tunegen", "cli", "templates", "tuning_db"):
+        shutil.copytree(ROOT / room, clone / room, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", clone)
+    code = (
+        "import tunegen, tunegen.tuning_db, tunegen.cli.main\n"
+        "from tunegen.render import template_dir\n"
+        "from tunegen.tuning_db import load_shipped\n"
+        "load_shipped()\n"
+        "print(tunegen.tuning_db.__file__, template_dir(), sep='\\n')\n"
+    )
+    site_packages = [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(clone), *site_packages])}
+    done = subprocess.run(
+        [sys.executable, "-S", "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(clone / "tuning_db" / "__init__.py"), str(clone / "templates")]

@@ -400,3 +400,13 @@ def test_lookups_see_the_users_database_first_then_the_shipped_one(tmp_path, mon
     with Store(user_url) as store:
         store.record_winner(mine)
     assert [w.variant["block_m"] for w in database.winners_for(gpu, problem)] == [64, 128]
+
+
+def test_a_postgresql_url_without_its_driver_names_the_extra_to_install(monkeypatch):
+    url = "postgresql+pg8000://user@127.0.0.1:1/tunegen"  # a driver this environment lacks
+    with pytest.raises(TuningDbError, match=r"pip install 'tunegen\[postgres\]'"):
+        Store(url)
+    monkeypatch.setenv("TUNEGEN_DB", url)
+    result = CliRunner().invoke(main, ["list"])
+    assert result.exit_code != 0
+    assert "tunegen[postgres]" in result.output and "Traceback" not in result.output

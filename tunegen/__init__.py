@@ -6,6 +6,9 @@ out = tunegen.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k)   # packed seq
 out = tunegen.attention(q, k, v, precision="fp8")        # FP8 with the Hadamard rotation
 """
 
+import tunegen.source_tree  # first: a clone run without installing finds its rooms
+
+# isort: split
 import tunegen.ops  # noqa: F401  (registers torch.ops.tunegen.*)
 from tunegen.api import FallbackError, attention, attention_varlen, explain
 from tunegen.decode import decode_attention

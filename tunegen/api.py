@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from tunegen import checks, dispatch, fp8_attention
+from tunegen import checks, dispatch, fp8_attention, launcher
 from tunegen.gpu import gpu_of
 from tunegen.problem import DTYPE_NAMES, Problem, bucket
 from tunegen.reference import attention_reference, attention_varlen_reference
@@ -64,35 +64,19 @@ def attention_eager(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The eager body of `attention`: checks, dispatch, launch.
 
-    On CUDA, a call whose tensors match an earlier call's in everything the checks and the
-    Problem depend on (shapes, dtypes, devices, strides, 16-byte alignment, flags) skips both
-    and goes from one dict lookup to the launch.
+    On CUDA, a call whose tensors match an earlier call's in everything the checks, the Problem
+    and the launch depend on (shapes, strides, dtypes, devices, 16-byte alignment, flags) skips
+    all three and goes from one dict lookup to the compiled kernel's launch.
     """
     try:
-        key = (
-            q.shape,
-            k.shape,
-            v.shape,
-            q.stride(),
-            k.stride(),
-            v.stride(),
-            q.dtype,
-            k.dtype,
-            v.dtype,
-            q.device,
-            k.device,
-            v.device,
-            (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15,
-            bool(causal),
-            bool(return_lse),
-        )
-    except (AttributeError, TypeError):  # not tensors: the checks below say what is wrong
-        key = None
-    kernel = dispatch.fast_kernels.get(key) if key is not None else None
-    if kernel is not None:
+        key = (launcher.key_of(q, k, v), bool(causal), bool(return_lse))
+        call = dispatch.fast_calls.get(key)
+    except (AttributeError, TypeError):  # not tensors, or unhashable: the checks below say what is wrong
+        key = call = None
+    if call is not None:
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32) if return_lse else None
-        kernel.launch(q, k, v, out, lse, checks.check_scale(scale, q.shape[-1]))
+        call(q, k, v, out, lse, checks.check_scale(scale, q.shape[-1]))
         return (out, lse) if return_lse else out
     checks.check_attention(q, k, v)
     scale = checks.check_scale(scale, q.shape[-1])
@@ -108,8 +92,10 @@ def attention_eager(
     lse = torch.empty((batch, heads, seqlen_q), device=q.device, dtype=torch.float32) if return_lse else None
     kernel = dispatch.kernel_for(_problem(q, k, v, out, causal, return_lse), gpu_of(q.device))
     if backend == "cuda" and key is not None:
-        dispatch.fast_kernels[key] = kernel
-    kernel.launch(q, k, v, out, lse, scale)
+        call = dispatch.fast_calls[key] = kernel.bind(q, k, v, out, lse, scale)
+        call(q, k, v, out, lse, scale)
+    else:
+        kernel.launch(q, k, v, out, lse, scale)
     return (out, lse) if return_lse else out
 
 

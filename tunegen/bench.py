@@ -11,6 +11,7 @@ import dataclasses
 import datetime
 import functools
 import json
+import math
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from tunegen import fp8, peers
 from tunegen.gpu import cuda_gpu, gpu_of
 from tunegen.problem import DTYPE_NAMES, Problem
 from tunegen.reference import FP8_TOLERANCE, TOLERANCE, sampled_error, tolerance
-from tunegen.timing import interleaved_ms, rate
+from tunegen.timing import interleaved_ms, per_call_us, rate
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -301,11 +302,17 @@ def bench_cases(
     for problem in problems:
         family = get(problem.family)
         unit, work = family.measure(problem)
-        case = family.case(problem, dispatch.kernel_for(problem, gpu), device, seed)
+        kernel = dispatch.kernel_for(problem, gpu)
+        case = family.case(problem, kernel, device, seed)
         bound = tolerance(problem)
         calls = {"tunegen": (case.launch, lambda _, case=case: case.error(), bound)}
         calls.update({name: (call, case.peer_error, bound) for name, call in case.peers.items()})
-        for name, (ms, err, note) in check_then_time(calls).items():
+        checked = check_then_time(calls)
+        calls_per_call = {}
+        if case.public is not None:
+            passed = [name for name, (ms, _, _) in checked.items() if ms is not None]
+            calls_per_call = eager_and_graph(problem, kernel, case, passed, device, seed)
+        for name, (ms, err, note) in checked.items():
             row = {
                 "impl": name,
                 **problem.as_dict(),
@@ -321,11 +328,35 @@ def bench_cases(
             }
             row["ms"], row["rel_err"], row["note"] = ms, err, note
             row["rate"] = rate(unit, work, ms) if ms else None
+            if case.public is not None:
+                eager_us, graph_us = calls_per_call.get(name, (None, None))
+                row["eager_us"], row["graph_us"] = eager_us, graph_us
+                row["eager_rate"] = rate(unit, work, eager_us / 1e3) if eager_us else None
+                row["graph_rate"] = rate(unit, work, graph_us / 1e3) if graph_us else None
             rows.append(row)
             if on_row is not None:
                 on_row(row)
         torch.cuda.empty_cache()
     return rows
+
+
+def eager_and_graph(
+    problem: Problem, kernel: Any, case: Any, names: Sequence[str], device: torch.device, seed: int
+) -> dict[str, tuple[float | None, float | None]]:
+    """Per-call microseconds of each implementation called as a model calls it: "tunegen" is the
+    public call, the others the peers `names`; eager (back to back, the host's cost included) and
+    replayed from a CUDA graph. Calls rotate over enough input sets to hold twice the L2 cache,
+    so that no call reads its inputs from the one before's cache lines."""
+    from tunegen.families import get
+
+    family = get(problem.family)
+    _, work = family.measure(problem)
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    sets = max(1, min(8, math.ceil(2 * l2 / work)))
+    cases = [case] + [family.case(problem, kernel, device, seed + i) for i in range(1, sets)]
+    impls = {"tunegen": [c.public for c in cases]}
+    impls.update({name: [c.peers[name] for c in cases] for name in names if name != "tunegen"})
+    return {name: (per_call_us(c, graph=False), per_call_us(c, graph=True)) for name, c in impls.items()}
 
 
 def backward_suite(

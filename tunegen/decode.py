@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 
-from tunegen import checks, dispatch, fp8
+from tunegen import checks, dispatch, fp8, launcher
 from tunegen.api import backend_for
 from tunegen.gpu import gpu_of
 from tunegen.problem import DTYPE_NAMES, Problem, bucket
@@ -179,6 +182,19 @@ def _reference(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, sc
     return out.to(q.dtype), lse
 
 
+def checking(check: bool | None) -> bool:
+    """Whether a call reads its lengths and pages back to check them: `check`, else TUNEGEN_CHECK."""
+    if check is not None:
+        return bool(check)
+    return os.environ.get("TUNEGEN_CHECK", "0").lower() in ("1", "true", "on", "yes")
+
+
+@functools.cache
+def _ones(batch: int, kv_heads: int, device: torch.device) -> torch.Tensor:
+    """The descales None stands for (read only, so one tensor serves every call)."""
+    return torch.ones((batch, kv_heads), device=device, dtype=torch.float32)
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -194,6 +210,7 @@ def decode_attention(
     strict: bool | None = None,
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
+    check: bool | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of a few new query tokens per sequence over a KV cache (`flash_attn_with_kvcache`).
 
@@ -206,12 +223,29 @@ def decode_attention(
     of nq sees the cache up to its own position. Returns (batch, nq, heads, head_dim), and with
     `return_lse` the log-sum-exp (batch, heads, nq) in float32.
 
+    The lengths and the block table stay on the GPU: a call never waits for the device. A
+    sequence whose length is negative or leaves no room for its new tokens, or whose pages lie
+    outside the cache, reads and writes nothing and gets NaN outputs. `check=True` (default:
+    TUNEGEN_CHECK=1) reads them back first and raises a ValueError naming the problem (a
+    device-to-host copy per call; skipped while a CUDA graph is being captured).
+
     An FP8 cache (float8_e4m3fn k_cache/v_cache, half the bytes of bf16) takes float16 or
     bfloat16 queries and new tokens, with `k_descale`/`v_descale` (batch, kv_heads) float32
     (FlashAttention-3's names; None means 1): cached value = e4m3 value x descale. The kernel
     widens the cache in registers; new tokens are divided by the descales and rounded to e4m3
     (saturating at ±448) as they are appended.
     """
+    try:
+        key = (
+            launcher.key_of(q, k_cache, v_cache, cache_seqlens, block_table, k, v, k_descale, v_descale),
+            bool(causal),
+            bool(return_lse),
+        )
+        call = dispatch.fast_calls.get(key)
+    except (AttributeError, TypeError):  # not tensors, or unhashable: the checks say what is wrong
+        key = call = None
+    if call is not None and not checking(check):
+        return call(q, k_cache, v_cache, cache_seqlens, block_table, k, v, k_descale, v_descale, scale)
     capturing = (
         isinstance(q, torch.Tensor) and q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     )
@@ -223,25 +257,50 @@ def decode_attention(
         k,
         v,
         block_table,
-        read_lengths=not capturing,
+        read_lengths=checking(check) and not capturing,
         k_descale=k_descale,
         v_descale=v_descale,
     )
-    scale = checks.check_scale(scale, q.shape[-1])
-    descales = ()
-    if k_cache.dtype == fp8.E4M3:
-        ones = torch.ones((q.shape[0], k_cache.shape[2]), device=q.device, dtype=torch.float32)
-        descales = (ones if k_descale is None else k_descale, ones if v_descale is None else v_descale)
+    resolved = checks.check_scale(scale, q.shape[-1])
+    fp8_cache = k_cache.dtype == fp8.E4M3
     if backend_for(q.device, strict) == "torch":
-        out, lse = _reference(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, scale, descales)
+        descales = ()
+        if fp8_cache:
+            ones = _ones(q.shape[0], k_cache.shape[2], q.device)
+            descales = (ones if k_descale is None else k_descale, ones if v_descale is None else v_descale)
+        out, lse = _reference(
+            q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, resolved, descales
+        )
         return (out, lse) if return_lse else out
-    out = torch.empty_like(q)
-    lse = (
-        torch.empty((q.shape[0], q.shape[2], q.shape[1]), device=q.device, dtype=torch.float32)
-        if return_lse
-        else None
-    )
     problem = _problem(q, k_cache, cache_seqlens, block_table, causal, return_lse)
     kernel = dispatch.kernel_for(problem, gpu_of(q.device))
-    kernel.launch(q, k_cache, v_cache, cache_seqlens, out, lse, scale, block_table, k, v, *descales)
-    return (out, lse) if return_lse else out
+    call = _bound_call(kernel, q, k_cache, return_lse, fp8_cache)
+    if key is not None and q.device.type == "cuda":
+        dispatch.fast_calls[key] = call
+    return call(q, k_cache, v_cache, cache_seqlens, block_table, k, v, k_descale, v_descale, scale)
+
+
+def _bound_call(kernel, q: torch.Tensor, k_cache: torch.Tensor, return_lse: bool, fp8_cache: bool):
+    """The checked call's body for every later call of its launch key: outputs, descale defaults,
+    the kernel's bound launch (bound on the first call)."""
+    launches = []
+    ones = _ones(q.shape[0], k_cache.shape[2], q.device) if fp8_cache else None
+    head_dim = q.shape[-1]
+    check_scale = checks.check_scale
+
+    def call(q, k_cache, v_cache, cache_seqlens, block_table, k, v, k_descale, v_descale, scale):
+        out = torch.empty_like(q)
+        lse = (
+            torch.empty((q.shape[0], q.shape[2], q.shape[1]), device=q.device, dtype=torch.float32)
+            if return_lse
+            else None
+        )
+        args = (q, k_cache, v_cache, cache_seqlens, out, lse, check_scale(scale, head_dim), block_table, k, v)
+        if fp8_cache:
+            args += (ones if k_descale is None else k_descale, ones if v_descale is None else v_descale)
+        if not launches:
+            launches.append(kernel.bind(*args) if q.device.type == "cuda" else kernel.launch)
+        launches[0](*args)
+        return (out, lse) if return_lse else out
+
+    return call

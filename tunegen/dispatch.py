@@ -3,8 +3,10 @@
 The first call for a (Problem, Gpu) looks for a Winner (the user's database, then the shipped
 winners): for exactly this Problem, else for the nearest bucket with the same features (at most
 one doubling of each size away), else it takes the family's default Variant. It builds that
-kernel once, under a lock; every later call is a dict lookup. Winners tuned under another
-Triton version are used, with one warning.
+kernel once, under a lock; every later call is a dict lookup. The public functions keep, per
+exact input signature, the kernel's bound call (tunegen.launcher), so a repeated call is one
+lookup and the compiled kernel's own launch. Winners tuned under another Triton version are
+used, with one warning.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import math
 import os
 import threading
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 from tunegen.database import winners_for
 from tunegen.families import base, get
@@ -51,8 +55,9 @@ class Choice:
 
 _CHOICES: dict[tuple[Problem, Gpu], Choice] = {}
 _LOCK = threading.Lock()
-# Calls' exact input signatures (see api.attention_eager) to the kernel their Problem got.
-fast_kernels: dict[tuple, base.Kernel] = {}
+# Calls' exact input signatures (see api.attention_eager, decode.decode_attention) to the bound
+# launch of the kernel their Problem got.
+fast_calls: dict[tuple, Callable[..., Any]] = {}
 
 
 # How far a nearest-bucket Winner may be: one doubling of each of batch, query and KV length (a
@@ -170,4 +175,4 @@ def forget() -> None:
     """Drop every cached choice (after tuning in this process, say), so the next call looks again."""
     with _LOCK:
         _CHOICES.clear()
-        fast_kernels.clear()
+        fast_calls.clear()

@@ -95,9 +95,16 @@ class Store:
     def _create_engine(self) -> Engine:
         if self.url.get_backend_name() == "postgresql":
             timeout_ms = int(self.lock_timeout * 1000)
-            return sa.create_engine(
-                self.url, pool_pre_ping=True, connect_args={"options": f"-c lock_timeout={timeout_ms}"}
-            )
+            try:
+                return sa.create_engine(
+                    self.url, pool_pre_ping=True, connect_args={"options": f"-c lock_timeout={timeout_ms}"}
+                )
+            except ImportError as exc:
+                raise TuningDbError(
+                    f"{self.name}: no PostgreSQL driver for this URL ({exc}); install tunegen's "
+                    "postgres extra, pip install 'tunegen[postgres]', and name its driver in the URL: "
+                    "postgresql+psycopg://user@host/database"
+                ) from None
         path = self._sqlite_path()
         memory = path is None
         if path is not None and not self.readonly:

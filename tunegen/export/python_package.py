@@ -44,7 +44,12 @@ LIBRARY = (
     ("tunegen.tuning_db.records", "GpuRecord", "GpuRecord"),
     ("tunegen.tuning_db.records", "features_key", "features_key"),
 )
+# The launcher the kernels import (templates/_attention.j2, launcher_import), which the package
+# carries as _tunegen/launcher.py.
+KERNEL_IMPORT = "from tunegen import launcher\n"
+LAUNCHER = ("tunegen.launcher", ("bound", "key_of", "memoized", "rebased", "stream_of"))
 DECODE_LIBRARY = (
+    ("tunegen.decode", "checking", "checking"),
     ("tunegen.decode", "_problem", "decode_problem"),
     ("tunegen.decode", "_reference", "decode_reference"),
     ("tunegen.decode", "check_decode", "check_decode"),
@@ -82,6 +87,14 @@ def table_entry(selected: Selected) -> dict[str, Any]:
     }
 
 
+def kernel_source(selected: Selected) -> str:
+    """A Winner's rendered source as the package holds it: importing the package's launcher."""
+    source = selected.rendered.source
+    if KERNEL_IMPORT not in source:
+        raise ValueError(f"kernel {kernel_module(selected)}: its source lacks {KERNEL_IMPORT.strip()!r}")
+    return source.replace(KERNEL_IMPORT, "from .._tunegen import launcher\n", 1)
+
+
 def write_package(selection: Selection, output: Path, package: str) -> tuple[Path, Selection]:
     """Write the package `package` into `output` (replacing an earlier export of that name);
     returns its folder and the selection it holds (Winners of families it cannot serve moved to
@@ -116,10 +129,11 @@ def write_package(selection: Selection, output: Path, package: str) -> tuple[Pat
     roots: dict[str, list[str]] = {}
     for module, name, _ in library:
         roots.setdefault(module, []).append(name)
+    roots.setdefault(LAUNCHER[0], []).extend(LAUNCHER[1])
     for name, source in vendor(roots, header=header).items():
         files[f"_tunegen/{name}.py"] = source
     for s in served:
-        files[f"kernels/{kernel_module(s)}.py"] = s.rendered.source
+        files[f"kernels/{kernel_module(s)}.py"] = kernel_source(s)
     with staged(output / package) as staging:
         for name, text in files.items():
             (staging / name).parent.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-from tunegen.families.prefill import block_d
+from tunegen.families.prefill import block_d, dot_precision
 from tunegen.gpu import Gpu
 from tunegen.problem import Problem
 from tunegen.variant import Variant
@@ -61,7 +61,7 @@ class BackwardFamily:
             "causal": problem.causal,
             "varlen": problem.varlen,
             "group": problem.group,
-            "precision": "ieee" if problem.dtype == "float32" else None,
+            "precision": dot_precision(problem),
             "upcast": gpu.backend == "interpreter" and problem.dtype == "bfloat16",
         }
 

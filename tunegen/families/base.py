@@ -16,21 +16,26 @@ from tunegen.variant import Variant
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One Problem's fresh random inputs: a kernel's launch on them, its error against float64
-    (NaN when an output was left unwritten), and the peers that compute the same function."""
+    (NaN when an output was left unwritten), the peers that compute the same function, and the
+    public call a user makes on them (where the family has one that takes them as they are)."""
 
     launch: Callable[[], None] | None
     error: Callable[[], float]
     peers: dict[str, Callable[[], Any]]
     peer_error: Callable[[Any], float]
+    public: Callable[[], Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class Kernel:
-    """A Variant rendered for one Problem's features and imported: `launch` runs it."""
+    """A Variant rendered for one Problem's features and imported: `launch` runs it; `bind` takes
+    one call's arguments and returns the bound call for all arguments of their launch key (see
+    tunegen.launcher), which `launch` also goes through."""
 
     variant: Variant
     rendered: Rendered
     launch: Callable[..., None]
+    bind: Callable[..., Callable[..., None]]
 
 
 class Family(Protocol):
@@ -109,4 +114,4 @@ def build(family: Family, variant: Variant, problem: Problem, gpu: Gpu) -> Kerne
     family.check_variant(variant, problem, gpu)
     rendered = render(family.template, family.name, variant, family.features(problem, gpu))
     module = load(rendered, interpret=gpu.backend == "interpreter")
-    return Kernel(variant=variant, rendered=rendered, launch=module.launch)
+    return Kernel(variant=variant, rendered=rendered, launch=module.launch, bind=module.bind)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-from tunegen.families.prefill import block_d
+from tunegen.families.prefill import block_d, dot_precision
 from tunegen.gpu import Gpu
 from tunegen.problem import Problem
 from tunegen.variant import Variant
@@ -56,6 +56,7 @@ class DecodeFamily:
             "page_size": problem.page_size,
             "return_lse": problem.return_lse,
             "upcast": gpu.backend == "interpreter" and problem.dtype == "bfloat16",
+            "precision": dot_precision(problem),
             "fp8": problem.fp8,
             "emulate_fp8": gpu.backend == "interpreter" and problem.fp8,
         }

@@ -85,4 +85,10 @@ def decode_case(problem: Problem, kernel: Kernel | None, device: torch.device, s
         for name in ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient"):
             fn = peer_impls.sdpa(name, False)
             peers[name] = lambda fn=fn: fn(qt, kt, vt).transpose(1, 2)
-    return Case(launch=launch, error=error, peers=peers, peer_error=error_of)
+    public = None
+    if kernel is not None:
+        import tunegen
+
+        named = dict(zip(("k_descale", "v_descale"), descales, strict=False))
+        public = lambda: tunegen.decode_attention(q, k_cache, v_cache, seqlens, block_table=table, **named)
+    return Case(launch=launch, error=error, peers=peers, peer_error=error_of, public=public)

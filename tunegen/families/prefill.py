@@ -141,6 +141,12 @@ def block_d(head_dim: int, fp8: bool = False) -> int:
     return max(32 if fp8 else 16, 1 << (head_dim - 1).bit_length())
 
 
+def dot_precision(problem: Problem) -> str | None:
+    """tl.dot's input_precision for the Problem's dtype: "ieee" for float32, which would otherwise
+    multiply in TF32 on tensor cores (a 1e-3 relative error where float32 promises 1e-6)."""
+    return "ieee" if problem.dtype == "float32" else None
+
+
 def _check_fp8(variant: PrefillVariant, problem: Problem, gpu: Gpu) -> None:
     """What an fp8 Problem adds: padded batches, bf16 output, key tiles of at least 32 (e4m3
     products need K >= 32 on NVIDIA GPUs; checked on every backend so that the interpreter runs
@@ -297,7 +303,7 @@ class PrefillFamily:
             "varlen": problem.varlen,
             "return_lse": problem.return_lse,
             "group": problem.group,
-            "precision": "ieee" if problem.dtype == "float32" else None,
+            "precision": dot_precision(problem),
             "upcast": interpreted and problem.dtype == "bfloat16",
             "fp8": problem.fp8,
             "emulate_fp8": interpreted and problem.fp8,

@@ -1,0 +1,120 @@
+"""Launching kernels at the driver's cost: each rendered module binds its kernels once per launch
+key, and later calls go straight to the compiled kernel.
+
+A Triton `kernel[grid](*args)` binds and specializes every argument, builds a cache key and looks
+the compiled kernel up on every call: tens of microseconds of Python on a GPU whose kernel may
+take ten. A rendered module's `bind` does that once for a set of arguments (their launch key:
+shapes, strides, dtypes, device, 16-byte alignment) and returns a function that, for any later
+arguments with the same key, computes only what changes (pointers, the scale) and calls each
+compiled kernel's own launcher, `CompiledKernel[grid]`, with the grid and every other argument
+fixed. Everything that launches a kernel goes through here: dispatch, the tuner's timing,
+exported packages (which carry a copy of this module) and the interpreter (which takes Triton's
+ordinary path, as do Triton releases before 3.3 and `TUNEGEN_LAUNCH=generic`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import triton
+
+# Bound launches kept per rendered module; past this many launch keys (varlen calls key on their
+# maximum lengths), the oldest half is dropped rather than growing without end.
+MAX_KEYS = 4096
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(".")[:2] if part.isdigit())
+
+
+def direct_launches() -> bool:
+    """Whether kernels launch through their compiled launcher (`TUNEGEN_LAUNCH=generic`, the
+    interpreter and Triton before 3.3, whose compiled launcher took other arguments, say no)."""
+    if os.environ.get("TUNEGEN_LAUNCH", "direct").lower() == "generic":
+        return False
+    if os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes"):
+        return False
+    return _version(triton.__version__) >= (3, 3)
+
+
+def key_of(*args: Any) -> tuple:
+    """A launch key: for each tensor its shape, strides, dtype, device and whether its address is a
+    multiple of 16 bytes (Triton specializes on that); other arguments (None, sizes, flags) as they
+    are. Equal keys bind to the same launches."""
+    return tuple(
+        (a.shape, a.stride(), a.dtype, a.device, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a
+        for a in args
+    )
+
+
+def bound(
+    kernel: Any, grid: tuple[int, ...], args: tuple, *, device: torch.device, **options: Any
+) -> Callable[..., None]:
+    """A function that launches `kernel` on `grid` with `options`, as `kernel[grid](*args, **options)`
+    would, for `args` and any later arguments of the same launch key: compiled (or found in Triton's
+    cache) now, for `device`; afterwards each call is the compiled kernel's own launch on the current
+    stream of `device`. Where kernels do not launch directly (see `direct_launches`), Triton's
+    ordinary path runs on each call."""
+    if device.type != "cuda" or not direct_launches():
+        return lambda *a: kernel[grid](*a, **options)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    grid3 = (*grid, 1, 1, 1)[:3]
+    with torch.cuda.device(index):
+        compiled = kernel.warmup(*args, grid=grid, **options)
+        compiled = compiled.result() if hasattr(compiled, "result") else compiled
+        runner = compiled[grid3]  # loads the binary on this device: too much shared memory fails here
+    run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
+    stream = triton.runtime.driver.active.get_current_stream
+    current = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+    hooks = getattr(triton, "knobs", None)
+    hooks = hooks.runtime if hooks is not None else None
+
+    def launch(*a: Any) -> None:
+        if current() != index:
+            with torch.cuda.device(index):
+                runner(*a)
+        elif hooks is None or hooks.launch_enter_hook is not None or hooks.launch_exit_hook is not None:
+            runner(*a)  # Triton's own runner gives profilers' launch hooks their metadata
+        else:
+            run(*grid3, stream(index), function, metadata, None, None, None, *a)
+
+    return launch
+
+
+def stream_of(device: torch.device) -> Callable[[], Any]:
+    """A function giving the handle of `device`'s current stream (None off CUDA), as launches use."""
+    if device.type != "cuda":
+        return lambda: None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    current = triton.runtime.driver.active.get_current_stream
+    return lambda: current(index)
+
+
+def rebased(descriptor: Any, base: torch.Tensor) -> Any:
+    """A copy of a host-side tensor descriptor over another tensor of the same launch key, without
+    the constructor's checks (already passed for that key)."""
+    copy = object.__new__(type(descriptor))
+    copy.__dict__.update(descriptor.__dict__)
+    copy.base = base
+    return copy
+
+
+def memoized(bind: Callable[..., Callable[..., None]], key: Callable[..., tuple]) -> Callable[..., None]:
+    """A rendered module's `launch`: `bind(*args)` once per `key(*args)`, then the bound call."""
+    calls: dict[tuple, Callable[..., None]] = {}
+
+    def launch(*args: Any) -> None:
+        k = key(*args)
+        call = calls.get(k)
+        if call is None:
+            if len(calls) >= MAX_KEYS:
+                for old in list(calls)[: MAX_KEYS // 2]:
+                    calls.pop(old, None)
+            call = calls.setdefault(k, bind(*args))
+        call(*args)
+
+    launch.calls = calls  # type: ignore[attr-defined]
+    return launch
