@@ -57,9 +57,15 @@ def test_off_the_gpu_a_bound_launch_is_tritons_ordinary_launch():
     assert not launcher.direct_launches()
     x = torch.randn(100)
     y = torch.full_like(x, float("nan"))
-    run = launcher.bound(_scaled_copy, (4,), (x, y, 2.0, 100), device=x.device, BLOCK=32)
-    run(x, y, 3.0, 100)
+    run = launcher.bound(_scaled_copy, (4,), (x, y, 2.0, 100, 32), device=x.device)
+    run(x, y, 3.0, 100, 32)
     assert torch.equal(y, x * 3.0)
+
+
+def test_constexprs_go_in_the_arguments_not_the_options():
+    x = torch.randn(8)
+    with pytest.raises(ValueError, match=r"options: \['BLOCK'\] are parameters of the kernel"):
+        launcher.bound(_scaled_copy, (1,), (x, x, 1.0, 8), device=x.device, BLOCK=8)
 
 
 def test_generic_launches_on_request(monkeypatch):
@@ -126,16 +132,17 @@ def test_profilers_launch_hooks_see_bound_launches():
     seen = []
     x = torch.randn(1000, device="cuda")
     y = torch.empty_like(x)
-    run = launcher.bound(_scaled_copy, (8,), (x, y, 2.0, 1000), device=x.device, BLOCK=128)
-    run(x, y, 2.0, 1000)
-    hooks = triton.knobs.runtime
-    hooks.launch_enter_hook = lambda metadata: seen.append(metadata.data["name"])
+    run = launcher.bound(_scaled_copy, (8,), (x, y, 2.0, 1000, 128), device=x.device)
+    run(x, y, 2.0, 1000, 128)
+    hook = lambda metadata: seen.append(metadata.get()["name"])
+    triton.knobs.runtime.launch_enter_hook.add(hook)
     try:
-        run(x, y, 4.0, 1000)
+        run(x, y, 4.0, 1000, 128)
     finally:
-        hooks.launch_enter_hook = None
+        triton.knobs.runtime.launch_enter_hook.remove(hook)
+    run(x, y, 3.0, 1000, 128)
     torch.cuda.synchronize()
-    assert seen == ["_scaled_copy"] and torch.equal(y, x * 4.0)
+    assert seen == ["_scaled_copy"] and torch.equal(y, x * 3.0)
 
 
 @pytest.mark.gpu

@@ -216,3 +216,16 @@ def test_public_call_serves_the_hopper_default():
         ref, ref_lse = attention_reference(q, k, v, causal=causal, scale=128**-0.5)
         assert rel_err(out, ref) < REL_TOL[q.dtype]
         assert_lse(lse, ref_lse, q.dtype)
+
+
+def test_below_one_wave_of_tiles_the_default_is_fa2():
+    """The Hopper schedule where a Problem fills the GPU with 128-row tiles; FA2's loop, whose
+    launch costs half as much, below that."""
+    suite = Problem("prefill", "bfloat16", 128, False, 16, 16, 32, 512, 512)  # 32*16*4 tiles
+    assert prefill.FAMILY.default_variant(suite, H100).schedule == "ws"
+    tiny = dataclasses.replace(suite, batch=1, num_heads_q=2, num_heads_kv=2, seqlen_q=16, seqlen_k=16)
+    assert prefill.FAMILY.default_variant(tiny, H100).schedule == "fa2"
+    short = dataclasses.replace(suite, batch=1, num_heads_q=32, num_heads_kv=32)
+    assert prefill.FAMILY.default_variant(short, H100).schedule == "fa2"  # 128 tiles, 132 SMs
+    wave = dataclasses.replace(short, batch=2)
+    assert prefill.FAMILY.default_variant(wave, H100).schedule == "ws"

@@ -18,10 +18,13 @@ DESCALE_NAMES = ("q_descale", "k_descale", "v_descale")
 
 def requested(q: object, precision: object, hadamard: object, descales: Sequence[object]) -> bool:
     """Whether a call asks for FP8: precision, hadamard or a descale given, or e4m3 q."""
+    q_descale, k_descale, v_descale = descales
     return (
         precision is not None
         or hadamard is not None
-        or any(d is not None for d in descales)
+        or q_descale is not None
+        or k_descale is not None
+        or v_descale is not None
         or getattr(q, "dtype", None) == fp8.E4M3
     )
 

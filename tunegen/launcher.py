@@ -44,9 +44,12 @@ def key_of(*args: Any) -> tuple:
     """A launch key: for each tensor its shape, strides, dtype, device and whether its address is a
     multiple of 16 bytes (Triton specializes on that); other arguments (None, sizes, flags) as they
     are. Equal keys bind to the same launches."""
+    tensor = torch.Tensor
     return tuple(
-        (a.shape, a.stride(), a.dtype, a.device, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a
-        for a in args
+        [
+            (a.shape, a.stride(), a.dtype, a.device, a.data_ptr() % 16 == 0) if isinstance(a, tensor) else a
+            for a in args
+        ]
     )
 
 
@@ -54,10 +57,14 @@ def bound(
     kernel: Any, grid: tuple[int, ...], args: tuple, *, device: torch.device, **options: Any
 ) -> Callable[..., None]:
     """A function that launches `kernel` on `grid` with `options`, as `kernel[grid](*args, **options)`
-    would, for `args` and any later arguments of the same launch key: compiled (or found in Triton's
-    cache) now, for `device`; afterwards each call is the compiled kernel's own launch on the current
-    stream of `device`. Where kernels do not launch directly (see `direct_launches`), Triton's
-    ordinary path runs on each call."""
+    would, for `args` (every parameter of the kernel in order, constexprs too; `options` are
+    Triton's, such as num_warps) and any later arguments of the same launch key: compiled (or
+    found in Triton's cache) now, for `device`; afterwards each call is the compiled kernel's own
+    launch on the current stream of `device`. Where kernels do not launch directly (see
+    `direct_launches`), Triton's ordinary path runs on each call."""
+    clash = set(options) & set(getattr(kernel, "arg_names", ()))
+    if clash:
+        raise ValueError(f"options: {sorted(clash)} are parameters of the kernel; pass them in args")
     if device.type != "cuda" or not direct_launches():
         return lambda *a: kernel[grid](*a, **options)
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -76,12 +83,17 @@ def bound(
         if current() != index:
             with torch.cuda.device(index):
                 runner(*a)
-        elif hooks is None or hooks.launch_enter_hook is not None or hooks.launch_exit_hook is not None:
+        elif hooks is None or _hooked(hooks.launch_enter_hook) or _hooked(hooks.launch_exit_hook):
             runner(*a)  # Triton's own runner gives profilers' launch hooks their metadata
         else:
             run(*grid3, stream(index), function, metadata, None, None, None, *a)
 
     return launch
+
+
+def _hooked(hook: Any) -> bool:
+    """Whether a launch hook is set: Triton 3.6 keeps a chain of hooks there, empty when none."""
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 def stream_of(device: torch.device) -> Callable[[], Any]:

@@ -220,10 +220,14 @@ def _ws_constraint(variant: PrefillVariant, problem: Problem, gpu: Gpu) -> str |
 def _ws_default(problem: Problem, gpu: Gpu) -> PrefillVariant | None:
     """The Hopper schedule's measured best per head dim, mask and length on an H100 (bf16;
     benchmarks/results/prefill_ws_h100.md), or None where it does not run or FlashAttention-2's
-    loop measured faster (head dim 64, causal, up to 2048 tokens, by 2-3%)."""
+    loop measured faster: head dim 64, causal, up to 2048 tokens (by 2-3%), and Problems of less
+    than one wave of 128-row tiles, where the schedule's machinery buys nothing and its launch,
+    which encodes four TMA descriptors, costs twice FA2's (benchmarks/results/launch_h100.md)."""
     try:
         _check_ws(problem, gpu)
     except ValueError:
+        return None
+    if problem.batch * problem.num_heads_q * -(-problem.seqlen_q // 128) < gpu.sm_count:
         return None
     n = problem.seqlen_q
     two = PrefillVariant(schedule="ws", block_m=64, block_n=128, consumers=2, overlap=True)
