@@ -256,11 +256,12 @@ def test_check_reads_lengths_back_and_names_the_problem(device):
     assert torch.isnan(out[1]).all() and not torch.isnan(out[0]).any()
     with pytest.raises(ValueError, match=r"cache_seqlens: a sequence needs 70 slots"):
         tunegen.decode_attention(q, kc, vc, lens, check=True)
-    import os
+    from tunegen import decode as module
 
-    os.environ["TUNEGEN_CHECK"] = "1"
+    module.CHECK = True  # what TUNEGEN_CHECK=1 at import sets
     try:
         with pytest.raises(ValueError, match=r"cache_seqlens: a sequence needs 70 slots"):
             tunegen.decode_attention(q, kc, vc, lens)
     finally:
-        del os.environ["TUNEGEN_CHECK"]
+        module.CHECK = False
+    assert torch.isnan(tunegen.decode_attention(q, kc, vc, lens, check=False)[1]).all()

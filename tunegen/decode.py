@@ -182,11 +182,17 @@ def _reference(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, sc
     return out.to(q.dtype), lse
 
 
+# TUNEGEN_CHECK=1 when tunegen is imported: every decode call checks its lengths and pages on the
+# host (read once: the environment is slow to read on every call).
+CHECK = os.environ.get("TUNEGEN_CHECK", "0").lower() in ("1", "true", "on", "yes")
+
+
 def checking(check: bool | None) -> bool:
-    """Whether a call reads its lengths and pages back to check them: `check`, else TUNEGEN_CHECK."""
-    if check is not None:
-        return bool(check)
-    return os.environ.get("TUNEGEN_CHECK", "0").lower() in ("1", "true", "on", "yes")
+    """Whether a call reads its lengths and pages back to check them: `check`, else CHECK."""
+    return CHECK if check is None else bool(check)
+
+
+NONE_GIVEN = (None,) * 5
 
 
 @functools.cache
@@ -236,15 +242,17 @@ def decode_attention(
     (saturating at ±448) as they are appended.
     """
     try:
+        extras = (block_table, k, v, k_descale, v_descale)
         key = (
-            launcher.key_of(q, k_cache, v_cache, cache_seqlens, block_table, k, v, k_descale, v_descale),
+            launcher.key_of(q, k_cache, v_cache, cache_seqlens),
+            None if extras == NONE_GIVEN else launcher.key_of(*extras),
             bool(causal),
             bool(return_lse),
         )
         call = dispatch.fast_calls.get(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable: the checks say what is wrong
         key = call = None
-    if call is not None and not checking(check):
+    if call is not None and not (CHECK if check is None else check):
         return call(q, k_cache, v_cache, cache_seqlens, block_table, k, v, k_descale, v_descale, scale)
     capturing = (
         isinstance(q, torch.Tensor) and q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
@@ -287,17 +295,21 @@ def _bound_call(kernel, q: torch.Tensor, k_cache: torch.Tensor, return_lse: bool
     ones = _ones(q.shape[0], k_cache.shape[2], q.device) if fp8_cache else None
     head_dim = q.shape[-1]
     check_scale = checks.check_scale
+    empty_like = torch.empty_like
 
     def call(q, k_cache, v_cache, cache_seqlens, block_table, k, v, k_descale, v_descale, scale):
-        out = torch.empty_like(q)
+        out = empty_like(q)
         lse = (
             torch.empty((q.shape[0], q.shape[2], q.shape[1]), device=q.device, dtype=torch.float32)
             if return_lse
             else None
         )
-        args = (q, k_cache, v_cache, cache_seqlens, out, lse, check_scale(scale, head_dim), block_table, k, v)
+        scale = check_scale(scale, head_dim)
         if fp8_cache:
-            args += (ones if k_descale is None else k_descale, ones if v_descale is None else v_descale)
+            descales = (ones if k_descale is None else k_descale, ones if v_descale is None else v_descale)
+            args = (q, k_cache, v_cache, cache_seqlens, out, lse, scale, block_table, k, v, *descales)
+        else:
+            args = (q, k_cache, v_cache, cache_seqlens, out, lse, scale, block_table, k, v)
         if not launches:
             launches.append(kernel.bind(*args) if q.device.type == "cuda" else kernel.launch)
         launches[0](*args)

@@ -1,0 +1,142 @@
+"""Pick the default decode Variants for this GPU class: check and time a grid of decode Variants
+(key tile, warps, pipeline stages, splits around the default's) on `tunegen bench decode`'s
+Problems, the current default among them.
+
+Per Problem, one full cache of random tokens (contiguous, or in shuffled pages) on the GPU; each
+Variant's output, poisoned first, is checked against SDPA's float32 math on the same tokens
+(within bf16's bound) before it is timed (L2 flushed, median). Writes every row and prints, per
+Problem, the default's GB/s beside the best Variant's.
+
+    python benchmarks/decode_defaults.py --batches 1,16,64 --cache-lengths 4096,32768 -o d.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import itertools
+import json
+
+import torch
+import triton
+
+from tunegen.bench import decode_suite
+from tunegen.families import base, decode
+from tunegen.gpu import cuda_gpu
+from tunegen.reference import TOLERANCE
+from tunegen.timing import median_ms, rate
+
+TILES = list(itertools.product((64, 128), (4, 8), (2, 3, 4)))  # block_n, num_warps, num_stages
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def candidates(problem, gpu) -> list[decode.DecodeVariant]:
+    """The default, then every tile with the default's split count, half and double it, and none."""
+    default = decode.FAMILY.default_variant(problem, gpu)
+    splits = sorted({1, max(1, default.num_splits // 2), default.num_splits, min(64, default.num_splits * 2)})
+    out = [default]
+    for (block_n, warps, stages), n in itertools.product(TILES, splits):
+        variant = dataclasses.replace(
+            default, block_n=block_n, num_warps=warps, num_stages=stages, num_splits=n
+        )
+        if variant not in out and decode.FAMILY.constraint(variant, problem, gpu) is None:
+            out.append(variant)
+    return out
+
+
+def inputs(problem, gen):
+    """q, the cache (as the kernel takes it), its lengths and block table, and the reference."""
+    b, n, hq, hkv, d = (
+        problem.batch,
+        problem.seqlen_k,
+        problem.num_heads_q,
+        problem.num_heads_kv,
+        problem.head_dim,
+    )
+    q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    keys, values = (
+        torch.randn(b, n, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2)
+    )
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2).float(),
+        keys.transpose(1, 2).float(),
+        values.transpose(1, 2).float(),
+        enable_gqa=True,
+    ).transpose(1, 2)
+    seqlens = torch.full((b,), n, dtype=torch.int32, device="cuda")
+    table = None
+    if problem.paged:
+        page = problem.page_size
+        order = torch.randperm(b * (n // page), device="cuda", generator=gen)
+        table = order.view(b, n // page).to(torch.int32)
+        paged = []
+        for x in (keys, values):
+            cache = torch.empty((b * (n // page), page, hkv, d), device="cuda", dtype=x.dtype)
+            cache[order] = x.reshape(-1, page, hkv, d)
+            paged.append(cache)
+        keys, values = paged
+    return q, keys, values, seqlens, table, ref
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", type=ints, default=[1, 16, 64])
+    ap.add_argument("--cache-lengths", type=ints, default=[4096, 32768])
+    ap.add_argument("--page-sizes", type=ints, default=[0, 64])
+    ap.add_argument("-o", "--output", default=None)
+    args = ap.parse_args()
+    gpu = cuda_gpu(0)
+    meta = {
+        "gpu": gpu.name,
+        "triton": triton.__version__,
+        "torch": torch.__version__,
+        "date": datetime.date.today().isoformat(),
+    }
+    rows = []
+    for problem in decode_suite(args.batches, args.cache_lengths, page_sizes=args.page_sizes):
+        unit, work = decode.FAMILY.measure(problem)
+        q, keys, values, seqlens, table, ref = inputs(problem, torch.Generator("cuda").manual_seed(0))
+        tensors = (q, keys, values, seqlens)
+        out = torch.empty_like(q)
+        scale = problem.head_dim**-0.5
+        mine = []
+        for i, variant in enumerate(candidates(problem, gpu)):
+            row = {**problem.as_dict(), "variant": variant.as_dict(), "default": i == 0}
+            try:
+                kernel = base.build(decode.FAMILY, variant, problem, gpu)
+                launch = functools.partial(kernel.launch, *tensors, out, None, scale, table)
+                out.fill_(float("nan"))
+                launch()
+                row["rel_err"] = err = float((out.float() - ref).norm() / ref.norm())
+                if not err <= TOLERANCE["bfloat16"]:
+                    row["note"] = f"wrong: {err:.2e}"
+                else:
+                    row["ms"] = median_ms(launch, warmup_ms=25.0, rep_ms=100.0)
+                    row["gbps"] = rate(unit, work, row["ms"])
+                    mine.append(row)
+            except Exception as exc:  # a Variant that fails to build or run is a result
+                row["note"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
+            rows.append(row)
+        del q, keys, values, ref, out, tensors
+        torch.cuda.empty_cache()
+        best = max(mine, key=lambda r: r["gbps"])
+        default = next((r for r in mine if r["default"]), None)
+        knobs = {k: best["variant"][k] for k in ("block_n", "num_warps", "num_stages", "num_splits")}
+        was = default["gbps"] if default else float("nan")
+        print(
+            f"B={problem.batch:3} cache={problem.seqlen_k:6} page={problem.page_size:3}  "
+            f"default {was:7.0f} GB/s  best {best['gbps']:7.0f} GB/s  {knobs}",
+            flush=True,
+        )
+        if args.output:  # after every Problem: a run cut short keeps what it measured
+            with open(args.output, "w") as fh:
+                json.dump({**meta, "rows": rows}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
