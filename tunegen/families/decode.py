@@ -95,19 +95,23 @@ class DecodeFamily:
         return None
 
     def default_variant(self, problem: Problem, gpu: Gpu) -> DecodeVariant:
-        """Enough programs to fill the GPU: split the cache until batch x KV heads x splits
-        covers about two waves of SMs (flash-decoding's rule), within the cache's tiles."""
-        block_n = 32 if gpu.arch == "interpreter" else 64
+        """Enough programs to fill the GPU once: split the cache until batch x KV heads x splits
+        covers the SMs (flash-decoding's rule, at one wave rather than two), within the cache's
+        tiles; paged caches take at least two splits (each tile waits on a block-table read, and
+        more programs in flight hide it); three pipeline stages. Measured on an H100 over `tunegen
+        bench decode`'s Problems (benchmarks/results/decode_defaults_h100.md): 0.95 to 1.00 of
+        the best Variant of the sweep, where two waves and two stages gave 0.90 to 1.00."""
+        interpreted = gpu.arch == "interpreter"
+        block_n = 32 if interpreted else 64
         if problem.paged:
             block_n = min(block_n, problem.page_size)
         units = problem.batch * problem.num_heads_kv
         tiles = max(1, problem.seqlen_k // block_n)
-        splits = 1
-        while units * splits < 2 * gpu.sm_count and splits * 2 <= min(32, tiles):
+        splits = 2 if problem.paged and tiles >= 2 else 1
+        while units * splits < gpu.sm_count and splits * 2 <= min(32, tiles):
             splits *= 2
-        stages = 1 if gpu.arch == "interpreter" else 2
         return DecodeVariant(
-            block_n=block_n, num_splits=splits, num_warps=4, num_stages=stages, pack_gqa=True
+            block_n=block_n, num_splits=splits, num_warps=4, num_stages=1 if interpreted else 3, pack_gqa=True
         )
 
     def measure(self, problem: Problem) -> tuple[str, float]:
