@@ -192,9 +192,6 @@ def checking(check: bool | None) -> bool:
     return CHECK if check is None else bool(check)
 
 
-NONE_GIVEN = (None,) * 5
-
-
 @functools.cache
 def _ones(batch: int, kv_heads: int, device: torch.device) -> torch.Tensor:
     """The descales None stands for (read only, so one tensor serves every call)."""
@@ -242,10 +239,10 @@ def decode_attention(
     (saturating at ±448) as they are appended.
     """
     try:
-        extras = (block_table, k, v, k_descale, v_descale)
+        plain = block_table is None and k is None and v is None and k_descale is None and v_descale is None
         key = (
             launcher.key_of(q, k_cache, v_cache, cache_seqlens),
-            None if extras == NONE_GIVEN else launcher.key_of(*extras),
+            None if plain else launcher.key_of(block_table, k, v, k_descale, v_descale),
             bool(causal),
             bool(return_lse),
         )
