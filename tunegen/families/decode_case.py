@@ -14,13 +14,14 @@ from tunegen.reference import attention_reference
 
 
 def decode_case(problem: Problem, kernel: Kernel | None, device: torch.device, seed: int) -> Case:
-    gen = torch.Generator().manual_seed(seed)
+    # Drawn on the device: a 32k-token cache for batch 64 is 2 G values, minutes on the host.
+    gen = torch.Generator(device).manual_seed(seed)
     dtype = TORCH_DTYPES[problem.dtype]
     b, nq, length, d = problem.batch, problem.seqlen_q, problem.seqlen_k, problem.head_dim
     hq, hkv = problem.num_heads_q, problem.num_heads_kv
-    q = torch.randn(b, nq, hq, d, generator=gen).to(device, dtype)
-    keys = torch.randn(b, length, hkv, d, generator=gen).to(device, dtype)
-    values = torch.randn(b, length, hkv, d, generator=gen).to(device, dtype)
+    q = torch.randn(b, nq, hq, d, generator=gen, device=device).to(dtype)
+    keys = torch.randn(b, length, hkv, d, generator=gen, device=device, dtype=dtype)
+    values = torch.randn(b, length, hkv, d, generator=gen, device=device, dtype=dtype)
     seqlens = torch.full((b,), length, dtype=torch.int32, device=device)
     table = None
     k_cache, v_cache = keys, values
@@ -35,7 +36,7 @@ def decode_case(problem: Problem, kernel: Kernel | None, device: torch.device, s
     if problem.paged:
         page = problem.page_size
         pages = length // page
-        order = torch.randperm(b * pages, generator=gen).to(device)
+        order = torch.randperm(b * pages, generator=gen, device=device)
         table = order.view(b, pages).to(torch.int32)
         contiguous = (k_cache, v_cache)
         k_cache = torch.empty((b * pages, page, hkv, d), device=device, dtype=k_cache.dtype)
