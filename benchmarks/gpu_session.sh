@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_session.sh bench        # the peers and the defaults, every family
 #   bash benchmarks/gpu_session.sh tune         # the suite's tuning runs, then bench again
 #   bash benchmarks/gpu_session.sh prefill      # both prefill schedules, ablation, bench, a profile
+#   bash benchmarks/gpu_session.sh launch       # host cost per call, decode defaults, decode bench
 set -uo pipefail
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
@@ -53,6 +54,15 @@ prefill() {  # what benchmarks/results/prefill_ws_h100.md was measured with (iss
         --impl tunegen,tunegen-default,sdpa-flash,sdpa-cudnn,flex -o "$OUT/prefill_ws.csv"
     step prefill-ncu ncu --kernel-name attn_fwd --launch-skip 3 --launch-count 1 --section SpeedOfLight \
         --section WarpStateStats python3 "$REPO/benchmarks/profile_prefill.py" --head-dim 128 --seqlen 1024 --causal
+}
+
+launch() {  # what benchmarks/results/launch_h100.md was measured with (issue 14)
+    copy_tests
+    step launch-tests python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider /tmp/tunegen-tests/test_launcher.py \
+        /tmp/tunegen-tests/test_decode.py /tmp/tunegen-tests/test_gpu_graphs.py
+    step dispatch-overhead python3 "$REPO/benchmarks/dispatch_overhead.py" -o "$OUT/launch.json"
+    step decode-sweep python3 "$REPO/benchmarks/decode_defaults.py" -o "$OUT/decode_defaults.json"
+    step bench-decode tunegen bench decode -o "$OUT/decode.csv"
 }
 
 tune() {

@@ -79,21 +79,23 @@ def bound(
     hooks = getattr(triton, "knobs", None)
     hooks = hooks.runtime if hooks is not None else None
 
+    gx, gy, gz = grid3
+
     def launch(*a: Any) -> None:
         if current() != index:
             with torch.cuda.device(index):
                 runner(*a)
-        elif hooks is None or _hooked(hooks.launch_enter_hook) or _hooked(hooks.launch_exit_hook):
-            runner(*a)  # Triton's own runner gives profilers' launch hooks their metadata
+            return
+        # Triton 3.6 keeps a chain of launch hooks, empty when no profiler has set one; with one
+        # set, Triton's own runner gives it the launch's metadata.
+        enter, leave = (hooks.launch_enter_hook, hooks.launch_exit_hook) if hooks is not None else (0, 0)
+        quiet = enter is None or not getattr(enter, "calls", True)
+        if quiet and (leave is None or not getattr(leave, "calls", True)):
+            run(gx, gy, gz, stream(index), function, metadata, None, None, None, *a)
         else:
-            run(*grid3, stream(index), function, metadata, None, None, None, *a)
+            runner(*a)
 
     return launch
-
-
-def _hooked(hook: Any) -> bool:
-    """Whether a launch hook is set: Triton 3.6 keeps a chain of hooks there, empty when none."""
-    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 def stream_of(device: torch.device) -> Callable[[], Any]:
