@@ -249,7 +249,7 @@ def decode_attention(
         call = dispatch.fast_calls.get(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable: the checks say what is wrong
         key = call = None
-    if call is not None and not (CHECK if check is None else check):
+    if call is not None and not checking(check):
         return call(q, k_cache, v_cache, cache_seqlens, block_table, k, v, k_descale, v_descale, scale)
     capturing = (
         isinstance(q, torch.Tensor) and q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()

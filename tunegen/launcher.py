@@ -6,7 +6,7 @@ the compiled kernel up on every call: tens of microseconds of Python on a GPU wh
 take ten. A rendered module's `bind` does that once for a set of arguments (their launch key:
 shapes, strides, dtypes, device, 16-byte alignment) and returns a function that, for any later
 arguments with the same key, computes only what changes (pointers, the scale) and calls each
-compiled kernel's own launcher, `CompiledKernel[grid]`, with the grid and every other argument
+compiled kernel's own launcher, `CompiledKernel.run`, with the grid and every other argument
 fixed. Everything that launches a kernel goes through here: dispatch, the tuner's timing,
 exported packages (which carry a copy of this module) and the interpreter (which takes Triton's
 ordinary path, as do Triton releases before 3.3 and `TUNEGEN_LAUNCH=generic`).
@@ -67,7 +67,7 @@ def bound(
         raise ValueError(f"options: {sorted(clash)} are parameters of the kernel; pass them in args")
     if device.type != "cuda" or not direct_launches():
         return lambda *a: kernel[grid](*a, **options)
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _index(device)
     grid3 = (*grid, 1, 1, 1)[:3]
     with torch.cuda.device(index):
         compiled = kernel.warmup(*args, grid=grid, **options)
@@ -98,11 +98,16 @@ def bound(
     return launch
 
 
+def _index(device: torch.device) -> int:
+    """A CUDA device's index, the current one for a bare "cuda"."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def stream_of(device: torch.device) -> Callable[[], Any]:
     """A function giving the handle of `device`'s current stream (None off CUDA), as launches use."""
     if device.type != "cuda":
         return lambda: None
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _index(device)
     current = triton.runtime.driver.active.get_current_stream
     return lambda: current(index)
 
