@@ -4,6 +4,9 @@ head dims, the log-sum-exp's gradient, the fallback path, torch.compile, dispatc
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+
 import pytest
 import torch
 from test_varlen import packed
@@ -113,39 +116,56 @@ def launch(variant, q, k, v, dout, *, causal, scale, varlen_args=None):
 
 KNOBS = [
     Variant(16, 16, 16, 16, num_warps=4, num_stages=1),
-    Variant(32, 16, 16, 32, num_warps=4, num_stages=2),
+    Variant(32, 16, 16, 32, num_warps=4, num_stages=2, dq_num_warps=2, dq_num_stages=3),
     Variant(16, 32, 16, 32, num_warps=4, num_stages=1, dq_mode="atomic"),
-    Variant(32, 16, 32, 16, num_warps=2, num_stages=3, dq_mode="atomic"),
+    Variant(32, 16, num_warps=2, num_stages=3, dq_mode="atomic", persistent=True, order="heaviest_first"),
+    Variant(16, 32, num_warps=4, num_stages=1, dq_mode="partial", order="heaviest_first"),
+    Variant(32, 16, 16, 32, num_warps=4, num_stages=1, dq_mode="concurrent", persistent=True),
+    Variant(16, 32, 32, 16, num_warps=4, num_stages=2, dq_mode="concurrent", order="heaviest_first"),
+    Variant(16, 32, 32, 16, num_warps=4, num_stages=1, fuse_delta=True, load="desc"),
+    Variant(32, 16, 16, 32, num_warps=4, num_stages=1, load="desc", persistent=True, order="heaviest_first"),
+    Variant(16, 16, num_warps=4, num_stages=1, dq_mode="partial", load="desc", persistent=True),
 ]
 
 
 @pytest.mark.parametrize("variant", KNOBS, ids=lambda v: v.to_json())
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_every_knob_is_correct(device, variant, causal):
-    """Tiles taller or wider than each other, dQ in its own pass or by atomics: the same gradients."""
+    """Tiles taller or wider than each other; dQ in its own pass, in the dK/dV launch, by atomics or
+    by per-key-tile shares; delta fused into the dQ pass; pointer or descriptor loads; either
+    program order; persistent grids: the same gradients."""
+    if variant.load == "desc" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0):
+        pytest.skip("tensor descriptors need compute capability 9.0")
     q, k, v, dout = qkv_dout(2, 4, 2, 45, 37, 40, torch.float16, device, seed=7)
     grads = launch(variant, q, k, v, dout, causal=causal, scale=0.3)
     forward = lambda q, k, v: attention_reference(q, k, v, causal=causal, scale=0.3)
     assert_grads(grads, reference_grads(forward, (q, k, v), dout), torch.float16)
 
 
-@pytest.mark.parametrize("dq_mode", ["separate", "atomic"])
+VARLEN_KNOBS = {
+    "atomic": Variant(16, 16, num_warps=4, num_stages=1, dq_mode="atomic"),
+    "partial": Variant(16, 32, num_warps=4, num_stages=1, dq_mode="partial", persistent=True),
+    "concurrent-desc": Variant(16, 16, 16, 16, num_warps=4, num_stages=1, dq_mode="concurrent", load="desc"),
+    "fused-delta-desc": Variant(16, 16, 16, 16, num_warps=4, num_stages=1, fuse_delta=True, load="desc"),
+}
+
+
+@pytest.mark.parametrize("knobs", ["default", *VARLEN_KNOBS])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_varlen_gradients_match_float64(device, dq_mode, causal):
+def test_varlen_gradients_match_float64(device, knobs, causal):
     """Ragged packed sequences with an empty query sequence and an empty key sequence, GQA."""
     lq, lk = [37, 0, 20, 9], [30, 12, 33, 0]
     q, k, v, cu_q, cu_k = packed(lq, lk, 4, 2, 48, torch.float16, device, seed=31)
     dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(32)).to(device, q.dtype)
     forward = lambda q, k, v: attention_varlen_reference(q, k, v, cu_q, cu_k, causal=causal, scale=48**-0.5)
     ref = reference_grads(forward, (q, k, v), dout)
-    if dq_mode == "separate":  # through the public function and dispatch's default Variant
+    if knobs == "default":  # through the public function and dispatch's default Variant
         q, k, v = leaves(q, k, v)
         tunegen.attention_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal).backward(dout)
         grads = (q.grad, k.grad, v.grad)
     else:
-        variant = Variant(16, 16, 16, 16, num_warps=4, num_stages=1, dq_mode="atomic")
         sizes = (cu_q, cu_k, max(lq), max(lk))
-        grads = launch(variant, q, k, v, dout, causal=causal, scale=48**-0.5, varlen_args=sizes)
+        grads = launch(VARLEN_KNOBS[knobs], q, k, v, dout, causal=causal, scale=48**-0.5, varlen_args=sizes)
     assert_grads(grads, ref, torch.float16)
     no_queries = slice(int(cu_k[1]), int(cu_k[2]))  # the keys of the empty query sequence
     assert torch.all(grads[1][no_queries] == 0) and torch.all(grads[2][no_queries] == 0)
@@ -316,14 +336,61 @@ def test_bad_variants_and_constraints():
         Variant(dq_mode="fused")
     with pytest.raises(ValueError, match="variant: expected a BackwardVariant"):
         get("backward").check_variant(get("prefill").variant_type(), None, H100)
+    with pytest.raises(ValueError, match="fuse_delta: the dQ pass computes delta only in its own launch"):
+        Variant(dq_mode="concurrent", fuse_delta=True)
+    with pytest.raises(ValueError, match="dq_num_warps: expected 1, 2, 4, 8 or 16"):
+        Variant(dq_num_warps=3)
     problem = Problem("backward", "bfloat16", 256, False, 8, 8, 1, 4096, 4096)
     family = get("backward")
-    assert "unused with dq_mode 'atomic'" in family.constraint(
-        Variant(32, 64, 128, 32, dq_mode="atomic"), problem, H100
+    long = dataclasses.replace(problem, seqlen_q=8192, seqlen_k=8192)
+    assert "'partial' would keep 8.0 GiB" in family.constraint(
+        Variant(32, 64, num_warps=8, dq_mode="partial"), long, H100
+    )
+    unaligned = dataclasses.replace(problem, aligned=False)
+    assert "'desc' needs 16-byte aligned" in family.constraint(Variant(load="desc"), unaligned, H100)
+    assert "compute capability 9.0" in family.constraint(Variant(load="desc"), problem, A100)
+    assert "float32 needs 'ptr'" in family.constraint(
+        Variant(load="desc"), dataclasses.replace(problem, dtype="float32"), H100
     )
     assert "shared memory" in family.constraint(Variant(64, 256, 64, 32, num_stages=4), problem, H100)
     spilling = Variant(16, 128, 64, 16, num_warps=4, num_stages=1)
     assert "registers" in family.constraint(spilling, problem, H100)
+
+
+def test_the_dq_passes_knobs_apply_only_where_it_runs():
+    """The tuner's grid never holds two Variants that differ only in knobs their kernels ignore:
+    the dQ pass's tiles without a dQ pass, its own warps and stages or the fused delta outside a
+    launch of its own; the program order only under a causal mask."""
+    family = get("backward")
+    problem = Problem("backward", "bfloat16", 128, False, 8, 8, 1, 4096, 4096)
+    space = family.search_space(problem, H100)
+    assert next(iter(space)) == "dq_mode" and space["order"] == ["natural"]
+    assert "desc" in space["load"] and "desc" not in family.search_space(problem, A100)["load"]
+    defaults = Variant()
+    for variant in itertools.islice(base.grid(family, space), 0, None, 97):
+        if variant.dq_mode in ("atomic", "partial"):
+            assert (variant.dq_block_m, variant.dq_block_n) == (defaults.dq_block_m, defaults.dq_block_n)
+        if variant.dq_mode != "separate":
+            assert variant.dq_num_warps == defaults.dq_num_warps
+            assert variant.dq_num_stages == defaults.dq_num_stages
+            assert not variant.fuse_delta
+
+
+def test_broadcast_or_unaligned_gradients_take_pointer_loads(device):
+    """dout as out.sum() makes it (a broadcast) and inputs at an odd offset: the Problem is marked
+    unaligned, so the default Variant reads through pointers, and the gradients are right."""
+    from tunegen.backward import descriptor_ready
+
+    q, k, v, _ = qkv_dout(1, 2, 1, 24, 24, 16, torch.float16, device, seed=61)
+    assert descriptor_ready(q, k, v)
+    assert not descriptor_ready(q, k, v, torch.ones(1, 1, 1, 16, device=device).expand(q.shape))
+    odd = torch.empty(q.numel() + 1, dtype=q.dtype, device=device)[1:].view(q.shape).copy_(q)
+    assert not descriptor_ready(odd, k, v)
+    odd, k, v = leaves(odd, k, v)
+    tunegen.attention(odd, k, v, causal=True).sum().backward()
+    forward = lambda q, k, v: attention_reference(q, k, v, causal=True, scale=0.25)
+    ref = reference_grads(forward, (odd, k, v), torch.ones(q.shape, device=device))
+    assert_grads((odd.grad, k.grad, v.grad), ref, torch.float16)
 
 
 def test_bad_gradients_are_rejected():
@@ -338,8 +405,8 @@ def test_bad_gradients_are_rejected():
 
 
 def test_command_line():
-    """`tunegen render backward` prints the three kernels; the benchmark suite is the prefill's,
-    and `tunegen bench backward` needs a GPU."""
+    """`tunegen render backward` prints the kernels and the tile functions they call; the benchmark
+    suite is the prefill's, and `tunegen bench backward` needs a GPU."""
     from click.testing import CliRunner
 
     from tunegen.bench import backward_suite
@@ -347,7 +414,7 @@ def test_command_line():
 
     result = CliRunner().invoke(main, ["render", "backward", "--head-dim", "80", "--causal", "--varlen"])
     assert result.exit_code == 0, result.output
-    for kernel in ("attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq"):
+    for kernel in ("attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq", "_dkdv_tile", "_dq_tile"):
         assert f"def {kernel}(" in result.output
     suite = backward_suite(seqlens=(1024, 16384), head_dims=(128,))
     assert {(p.family, p.batch, p.num_heads_q, p.seqlen_q, p.causal) for p in suite} == {

@@ -8,6 +8,7 @@ bucket, default), or, where no Triton kernel runs, differentiates the PyTorch re
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import torch
@@ -23,8 +24,8 @@ Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 def problem_for(
     q: torch.Tensor, k: torch.Tensor, causal: bool, batch: int, seqlen_q: int, seqlen_k: int, varlen: bool
 ) -> Problem:
-    """The backward Problem of a call. The kernel reads through pointers only, so alignment and
-    whether the forward returned its log-sum-exp leave it unchanged and stay at their defaults."""
+    """The backward Problem of a call, taken as aligned (the call's gradients may say otherwise:
+    see `descriptor_ready`); whether the forward returned its log-sum-exp leaves it unchanged."""
     return Problem(
         family="backward",
         dtype=DTYPE_NAMES[q.dtype],
@@ -37,6 +38,12 @@ def problem_for(
         seqlen_k=bucket(seqlen_k),
         varlen=varlen,
     )
+
+
+def descriptor_ready(*tensors: torch.Tensor) -> bool:
+    """Whether tensor descriptors (TMA) can read `tensors` row by row: 16-byte aligned bases and
+    strides, and no stride of zero (a broadcast dout) but the last."""
+    return checks.is_aligned16(*tensors) and all(0 not in t.stride()[:-1] for t in tensors)
 
 
 def _check_grads(
@@ -89,6 +96,8 @@ def _grads(
     dout, dlse = _check_grads(dout, dlse, out, lse)
     if api.backend_for(q.device, strict) == "torch":
         return _reference_grads(reference, (q, k, v), dout, dlse)
+    if not descriptor_ready(q, k, v, dout):
+        problem = dataclasses.replace(problem, aligned=False)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     kernel = dispatch.kernel_for(problem, gpu_of(q.device))
     kernel.launch(q, k, v, out, dout, lse, dlse, dq, dk, dv, scale, *sizes)

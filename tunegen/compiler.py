@@ -75,7 +75,12 @@ def compile_for(job: CompileJob) -> CompileReport:
         else:
             source = ASTSource(kernel, types, constexprs=constexprs, attrs=attrs)
         arch = job.capability[0] * 10 + job.capability[1]
-        options = {"num_warps": module.NUM_WARPS, "num_stages": module.NUM_STAGES}
+        # Modules of several kernels may launch each with knobs of its own (OPTIONS per kernel).
+        options = getattr(module, "OPTIONS", {}).get(job.kernel) or {
+            "num_warps": module.NUM_WARPS,
+            "num_stages": module.NUM_STAGES,
+        }
+        options = dict(options)
         if getattr(module, "MAXNREG", None) is not None:
             options["maxnreg"] = module.MAXNREG
         compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)

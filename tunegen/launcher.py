@@ -98,6 +98,34 @@ def bound(
     return launch
 
 
+# Programs a persistent grid launches per SM off CUDA (the interpreter): a few, so that each
+# program still loops over several tiles of a test's small Problem.
+INTERPRETER_PROGRAMS = 4
+
+
+def resident_programs(kernel: Any, args: tuple, *, device: torch.device, **options: Any) -> int:
+    """How many programs of `kernel`, compiled for `args` with `options`, are resident on `device`
+    at once: its SMs times the programs one SM holds by registers, shared memory and threads (the
+    size of a persistent grid)."""
+    if device.type != "cuda":
+        return INTERPRETER_PROGRAMS
+    index = _index(device)
+    with torch.cuda.device(index):
+        compiled = kernel.warmup(*args, grid=(1,), **options)
+        compiled = compiled.result() if hasattr(compiled, "result") else compiled
+        compiled[(1, 1, 1)]  # loads the binary, which fills in its register count
+    props = torch.cuda.get_device_properties(index)
+    threads = compiled.metadata.num_warps * 32
+    # Registers are handed out per warp in units of 256.
+    per_warp = -(-max(compiled.n_regs, 1) * 32 // 256) * 256
+    by_registers = getattr(props, "regs_per_multiprocessor", 65536) // (per_warp * threads // 32)
+    by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // threads
+    shared = compiled.metadata.shared
+    smem = getattr(props, "shared_memory_per_multiprocessor", 233472)
+    by_shared = smem // (shared + 1024) if shared else 32
+    return props.multi_processor_count * max(1, min(by_registers, by_threads, by_shared, 32))
+
+
 def _index(device: torch.device) -> int:
     """A CUDA device's index, the current one for a bare "cuda"."""
     return device.index if device.index is not None else torch.cuda.current_device()

@@ -10,20 +10,30 @@ from tunegen.gpu import Gpu
 from tunegen.problem import Problem
 from tunegen.variant import Variant
 
-DQ_MODES = ("separate", "atomic")
+DQ_MODES = ("separate", "concurrent", "atomic", "partial")
+LOADS = ("ptr", "desc")
+ORDERS = ("natural", "heaviest_first")
 TILES = (16, 32, 64, 128, 256)
+WARPS = (1, 2, 4, 8, 16)
 # Float32 accumulator and score values per thread past which a pass spills registers.
 MAX_REGISTERS_PER_THREAD = 192
+# The float32 slices of dQ that dq_mode "partial" keeps (one per tile of keys) may take this much.
+PARTIAL_BYTES_MAX = 2 * 2**30
 
 
 @dataclasses.dataclass(frozen=True)
 class BackwardVariant(Variant):
-    """Knobs of templates/attention_bwd.py.j2.
+    """Knobs of templates/attention_bwd.py.j2 (its glossary says what each does).
 
-    dkdv_block_m, dkdv_block_n: the query tile walked and the key tile kept resident by the dK/dV
-    kernel; dq_block_m, dq_block_n: the query tile kept and the key tile walked by the dQ kernel;
-    num_warps, num_stages: Triton's launch knobs for both; dq_mode: "separate" (a dQ pass of its
-    own) or "atomic" (the dK/dV programs add dQ into a float32 buffer; the dq tiles are unused).
+    dkdv_block_m, dkdv_block_n, num_warps, num_stages: the dK/dV pass (the query tile walked, the
+    key tile kept resident, Triton's launch knobs). dq_block_m, dq_block_n, dq_num_warps,
+    dq_num_stages: the dQ pass (the query tile kept, the key tile walked, its launch knobs).
+    dq_mode: "separate" (a dQ launch of its own), "concurrent" (dQ tiles in the dK/dV launch, with
+    its warps and stages), "atomic" (the dK/dV programs add dQ into float32) or "partial" (each
+    tile of keys stores its share of dQ, summed after). fuse_delta: the separate dQ pass computes
+    delta (rowsum dO·O) itself and runs first, in place of the preprocess launch. load: "ptr" or
+    "desc" (tensor descriptors: TMA on Hopper). order: "heaviest_first" runs the tiles with the
+    most work under a causal mask first. persistent: one program per resident slot, looping.
     """
 
     family: ClassVar[str] = "backward"
@@ -35,24 +45,44 @@ class BackwardVariant(Variant):
     num_warps: int = 4
     num_stages: int = 2
     dq_mode: str = "separate"
+    dq_num_warps: int = 4
+    dq_num_stages: int = 2
+    fuse_delta: bool = False
+    load: str = "ptr"
+    order: str = "natural"
+    persistent: bool = False
 
     def __post_init__(self) -> None:
         for name in ("dkdv_block_m", "dkdv_block_n", "dq_block_m", "dq_block_n"):
             if getattr(self, name) not in TILES:
                 raise ValueError(f"{name}: expected a power of two from 16 to 256, got {getattr(self, name)}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"num_warps: expected 1, 2, 4, 8 or 16, got {self.num_warps}")
-        if not 1 <= self.num_stages <= 8:
-            raise ValueError(f"num_stages: expected 1 to 8, got {self.num_stages}")
-        if self.dq_mode not in DQ_MODES:
-            raise ValueError(f"dq_mode: expected one of {DQ_MODES}, got {self.dq_mode!r}")
+        for name in ("num_warps", "dq_num_warps"):
+            if getattr(self, name) not in WARPS:
+                raise ValueError(f"{name}: expected 1, 2, 4, 8 or 16, got {getattr(self, name)}")
+        for name in ("num_stages", "dq_num_stages"):
+            if not 1 <= getattr(self, name) <= 8:
+                raise ValueError(f"{name}: expected 1 to 8, got {getattr(self, name)}")
+        for name, allowed in (("dq_mode", DQ_MODES), ("load", LOADS), ("order", ORDERS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}: expected one of {allowed}, got {getattr(self, name)!r}")
+        if self.fuse_delta and self.dq_mode != "separate":
+            raise ValueError(
+                f"fuse_delta: the dQ pass computes delta only in its own launch before the dK/dV "
+                f"pass (dq_mode 'separate'), not with dq_mode {self.dq_mode!r}"
+            )
 
 
 class BackwardFamily:
     name = "backward"
     template = "attention_bwd.py.j2"
     variant_type = BackwardVariant
-    conditions: ClassVar[dict[str, tuple[str, tuple]]] = {}
+    conditions: ClassVar[dict[str, tuple[str, tuple]]] = {
+        "dq_block_m": ("dq_mode", ("separate", "concurrent")),
+        "dq_block_n": ("dq_mode", ("separate", "concurrent")),
+        "dq_num_warps": ("dq_mode", ("separate",)),
+        "dq_num_stages": ("dq_mode", ("separate",)),
+        "fuse_delta": ("dq_mode", ("separate",)),
+    }
 
     def features(self, problem: Problem, gpu: Gpu) -> dict[str, Any]:
         return {
@@ -68,65 +98,98 @@ class BackwardFamily:
     def check_variant(self, variant: Variant, problem: Problem, gpu: Gpu) -> None:
         if not isinstance(variant, BackwardVariant):
             raise ValueError(f"variant: expected a BackwardVariant, got {type(variant).__name__}")
+        if variant.load == "desc":
+            if problem.dtype == "float32":
+                raise ValueError("variant.load: 'desc' takes 16-bit inputs; float32 needs 'ptr'")
+            if not problem.aligned:
+                raise ValueError(
+                    "variant.load: 'desc' needs 16-byte aligned base addresses and row strides; "
+                    "these inputs need 'ptr'"
+                )
+            if gpu.backend == "cuda" and gpu.capability < (9, 0):
+                raise ValueError(
+                    f"variant.load: 'desc' needs compute capability 9.0 or newer, "
+                    f"{gpu.name} has {gpu.capability}"
+                )
 
     def search_space(self, problem: Problem, gpu: Gpu) -> dict[str, list]:
-        """The knobs the tuner searches. Each pass keeps one tile resident and walks the other:
-        the dK/dV pass a tall key tile over short query tiles, the dQ pass the reverse (as in
-        FlashAttention-2), so the resident and walked sizes are searched as two lists."""
+        """The knobs the tuner searches, dq_mode first (the dQ pass's knobs apply only where it has
+        one: see `conditions`). Each pass keeps one tile resident and walks the other: the dK/dV
+        pass a tall key tile over short query tiles, the dQ pass the reverse (as in
+        FlashAttention-2), so resident and walked sizes are two lists. Knobs that cannot matter
+        are pinned: the program order for non-causal Problems, descriptors where the inputs or the
+        GPU do not allow them."""
         if gpu.arch == "interpreter":
             resident, walked, warps, stages = [16, 32], [16, 32], [4], [1]
         elif problem.dtype == "float32":
             resident, walked, warps, stages = [32, 64], [16, 32], [4, 8], [1, 2, 3]
         else:
-            resident, walked, warps, stages = [64, 128], [16, 32, 64], [4, 8], [1, 2, 3, 4, 5]
+            resident, walked, warps, stages = [64, 128], [32, 64], [4, 8], [1, 2, 3, 4]
+        loads = ["ptr"]
+        if (
+            problem.aligned
+            and problem.dtype != "float32"
+            and (gpu.arch == "interpreter" or gpu.capability >= (9, 0))
+        ):
+            loads.append("desc")
         return {
+            "dq_mode": list(DQ_MODES),
             "dkdv_block_m": walked,
             "dkdv_block_n": resident,
-            "dq_block_m": resident,
-            "dq_block_n": walked,
             "num_warps": warps,
             "num_stages": stages,
-            "dq_mode": list(DQ_MODES),
+            "dq_block_m": resident,
+            "dq_block_n": walked,
+            "dq_num_warps": warps,
+            "dq_num_stages": stages,
+            "fuse_delta": [False, True],
+            "load": loads,
+            "order": list(ORDERS) if problem.causal else ["natural"],
+            "persistent": [False, True],
         }
 
     def constraint(self, variant: BackwardVariant, problem: Problem, gpu: Gpu) -> str | None:
         """Why `variant` should not be compiled for `problem` on `gpu`; None if it may.
 
-        Atomic Variants must name the dK/dV tiles as their dq tiles (which that mode does not use),
-        so the tuner never times one kernel twice. Shared memory, per pass: the resident tiles
-        plus `num_stages` buffers of the two walked tiles (and, with atomics, the transposed dS
-        and the float32 dQ tile). Registers, per pass: the float32 accumulators (dK and dV, or
-        dQ) and two score tiles spread over the threads; past 192 per thread ptxas spills
-        (calibrated on sm_90 compiles: 320 spilled 3.3 KB, 160 to 192 spilled at most 60 bytes).
+        Shared memory, per pass: the resident tiles plus `num_stages` buffers of the two walked
+        tiles (and, with dQ in the dK/dV pass, the transposed dS and the float32 dQ tile).
+        Registers, per pass: the float32 accumulators (dK and dV, or dQ) and two score tiles
+        spread over the threads; past 192 per thread ptxas spills (calibrated on sm_90
+        compiles: 320 spilled 3.3 KB, 160 to 192 spilled at most 60 bytes). A concurrent launch
+        runs both passes with the dK/dV pass's warps and stages. "partial" keeps a float32 dQ per
+        tile of keys: at most PARTIAL_BYTES_MAX of them.
         """
         try:
             self.check_variant(variant, problem, gpu)
         except ValueError as exc:
             return str(exc)
-        atomic = variant.dq_mode == "atomic"
-        if atomic and (variant.dq_block_m, variant.dq_block_n) != (
-            variant.dkdv_block_m,
-            variant.dkdv_block_n,
-        ):
-            return "dq_block_m/dq_block_n: unused with dq_mode 'atomic'; only the dK/dV tiles are tried"
+        if variant.dq_mode == "partial":
+            slices = -(-problem.seqlen_k // variant.dkdv_block_n)
+            size = slices * problem.batch * problem.num_heads_q * problem.seqlen_q * problem.head_dim * 4
+            if size > PARTIAL_BYTES_MAX:
+                return f"dq_mode: 'partial' would keep {size / 2**30:.1f} GiB of float32 dQ slices"
         if gpu.arch == "interpreter":
             return None
         d = block_d(problem.head_dim)
         size = 4 if problem.dtype == "float32" else 2
-        passes = [("dK/dV", variant.dkdv_block_n, variant.dkdv_block_m, 2)]
-        if not atomic:
-            passes.append(("dQ", variant.dq_block_m, variant.dq_block_n, 1))
-        threads = variant.num_warps * 32
-        for name, resident, walked, accumulators in passes:
-            smem = (2 * resident + variant.num_stages * 2 * walked) * d * size
-            if atomic:
+        in_dkdv = variant.dq_mode in ("atomic", "partial")
+        dkdv = ("dK/dV", variant.dkdv_block_n, variant.dkdv_block_m, 2, variant.num_warps, variant.num_stages)
+        passes = [dkdv]
+        if variant.dq_mode in ("separate", "concurrent"):
+            own = variant.dq_mode == "separate"
+            warps = variant.dq_num_warps if own else variant.num_warps
+            stages = variant.dq_num_stages if own else variant.num_stages
+            passes.append(("dQ", variant.dq_block_m, variant.dq_block_n, 1, warps, stages))
+        for name, resident, walked, accumulators, warps, stages in passes:
+            smem = (2 * resident + stages * 2 * walked) * d * size
+            if in_dkdv:
                 smem += walked * resident * size + walked * d * 4
             if smem > gpu.smem_per_block:
                 return (
                     f"shared memory: the {name} pass needs about {smem} bytes, "
                     f"{gpu.name} has {gpu.smem_per_block} per block"
                 )
-            registers = (accumulators * resident * d + 2 * resident * walked) // threads
+            registers = (accumulators * resident * d + 2 * resident * walked) // (warps * 32)
             if registers > MAX_REGISTERS_PER_THREAD:
                 return f"registers: the {name} pass holds about {registers} float32 values per thread"
         return None
@@ -134,23 +197,21 @@ class BackwardFamily:
     def default_variant(self, problem: Problem, gpu: Gpu) -> BackwardVariant:
         """Hand-picked per GPU class and head dim until tuned Winners exist.
 
-        Hopper starts from the Triton fused-attention tutorial's H100 tiles (32 x 128 for dK/dV,
-        128 x 32 for dQ); at head dim 128 with 8 warps and 3 stages rather than its 4 and 5, which
-        spill 3.3 KB in the dK/dV kernel (ptxas on sm_90); one stage spills at head dim 256. The
-        rest are conservative choices that fit the shared memory and registers of their class.
+        Hopper: FlexAttention's H100 tiles (64 x 128 for dK/dV, 128 x 64 for dQ, 8 warps, 3
+        stages) through tensor descriptors where the inputs allow them; 32 x 64 and 64 x 64 with 2
+        stages at head dim 256, where larger tiles spill (ptxas on sm_90). The rest are conservative choices
+        that fit the shared memory and registers of their class.
         """
         d = block_d(problem.head_dim)
         if gpu.arch == "interpreter" or problem.dtype == "float32":
-            return BackwardVariant(32, 32, 32, 32, num_warps=4, num_stages=1)
+            return BackwardVariant(32, 32, 32, 32, num_warps=4, num_stages=1, dq_num_warps=4, dq_num_stages=1)
         if gpu.arch in ("hopper", "blackwell"):
-            if d <= 64:
-                return BackwardVariant(32, 128, 128, 32, num_warps=4, num_stages=5)
+            load = "desc" if problem.aligned else "ptr"
             if d <= 128:
-                return BackwardVariant(32, 128, 128, 32, num_warps=8, num_stages=3)
-            return BackwardVariant(32, 64, 64, 32, num_warps=8, num_stages=2)
-        if d <= 128:
-            return BackwardVariant(32, 64, 64, 32, num_warps=4, num_stages=2)
-        return BackwardVariant(32, 64, 64, 32, num_warps=8, num_stages=2)
+                return BackwardVariant(64, 128, 128, 64, 8, 3, dq_num_warps=8, dq_num_stages=3, load=load)
+            return BackwardVariant(32, 64, 64, 64, 8, 2, dq_num_warps=8, dq_num_stages=2, load=load)
+        warps = 4 if d <= 128 else 8
+        return BackwardVariant(32, 64, 64, 32, warps, 2, dq_num_warps=warps, dq_num_stages=2)
 
     def measure(self, problem: Problem) -> tuple[str, float]:
         """FLOPs as FlashAttention counts the backward: 2.5 times the forward's."""
