@@ -137,6 +137,7 @@ def candidates(head_dim: int, causal: bool) -> list[Variant]:
         ]
     for knob in knobs:
         kw = {**base_kw, **knob}
+        kw.setdefault("dq_mode", "separate")
         if kw["dq_mode"] != "separate":  # the dQ pass's own knobs keep their defaults
             unused = ("dq_num_warps", "dq_num_stages")
             if kw["dq_mode"] != "concurrent":

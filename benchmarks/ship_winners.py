@@ -23,7 +23,7 @@ import subprocess
 from pathlib import Path
 
 from tunegen.bench import Shape
-from tunegen.families import prefill
+from tunegen import families
 from tunegen.gpu import Gpu
 from tunegen.problem import Problem
 from tunegen.tuning_db.exchange import FORMAT, VERSION, parse_document
@@ -92,26 +92,27 @@ MARGIN = 0.98  # a Winner must take at most 98% of the default's time: closer is
 
 
 def defaults_run_winners(data: dict, gpu: Gpu) -> dict[str, dict | None]:
-    """Per suite Problem of a `prefill_defaults.py` run: its fastest verified Variant where that
-    beat the family's default measured in the same run by more than the noise, else None (the
-    default stands, whatever an earlier run said)."""
+    """Per suite Problem of a `prefill_defaults.py` or `backward_defaults.py` run (its "family"):
+    its fastest verified Variant where that beat the family's default measured in the same run by
+    more than the noise, else None (the default stands, whatever an earlier run said)."""
+    family = families.get(data.get("family", "prefill"))
     by_shape: dict[str, list[dict]] = {}
     for row in data["results"]:
         by_shape.setdefault(json.dumps(row["shape"], sort_keys=True), []).append(row)
     winners: dict[str, dict | None] = {}
     for rows in by_shape.values():
-        problem = Shape(**rows[0]["shape"]).problem("bfloat16")
+        problem = dataclasses.replace(Shape(**rows[0]["shape"]).problem("bfloat16"), family=family.name)
         timed = [r for r in rows if "variant" in r and r.get("ms")]
         peers = [(r["impl"], r["ms"]) for r in rows if "impl" in r and r.get("ms")]
-        default = prefill.FAMILY.default_variant(problem, gpu)
-        default_ms = [r["ms"] for r in timed if prefill.PrefillVariant(**r["variant"]) == default]
+        default = family.default_variant(problem, gpu)
+        default_ms = [r["ms"] for r in timed if family.variant_type(**r["variant"]) == default]
         if not timed or not peers or not default_ms:
             continue
         best = min(timed, key=lambda r: r["ms"])
         key = json.dumps(problem.as_dict(), sort_keys=True)
         winners[key] = None
         if best["ms"] < MARGIN * default_ms[0]:
-            variant = prefill.PrefillVariant(**best["variant"]).as_dict()
+            variant = family.variant_type(**best["variant"]).as_dict()
             peer = min(peers, key=lambda p: p[1])
             winners[key] = _record(
                 problem.as_dict(), variant, best["ms"], best["tflops"], best["err"], peer, data
@@ -128,11 +129,11 @@ def main() -> None:
     parser.add_argument("-o", "--output", type=Path, required=True)
     args = parser.parse_args()
     gpu = Gpu(H100["name"], (9, 0), H100["sm_count"], H100["smem_per_block"], "3.6.0", "", "cuda")
-    template = template_hash_at(args.commit, prefill.FAMILY.template)
     winners: dict[str, dict] = {}
     sources = []
     for path in args.results:
         data = json.loads(path.read_text())
+        template = template_hash_at(args.commit, families.get(data.get("family", "prefill")).template)
         if "rows" in data:
             found = {json.dumps(w["problem"], sort_keys=True): w for w in search_quality_winners(data)}
         else:

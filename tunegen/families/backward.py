@@ -197,19 +197,24 @@ class BackwardFamily:
     def default_variant(self, problem: Problem, gpu: Gpu) -> BackwardVariant:
         """Hand-picked per GPU class and head dim until tuned Winners exist.
 
-        Hopper: FlexAttention's H100 tiles (64 x 128 for dK/dV, 128 x 64 for dQ, 8 warps, 3
-        stages) through tensor descriptors where the inputs allow them; 32 x 64 and 64 x 64 with 2
-        stages at head dim 256, where larger tiles spill (ptxas on sm_90). The rest are conservative choices
-        that fit the shared memory and registers of their class.
+        Hopper, from benchmarks/backward_defaults.py on an H100 (bf16, N = 1k, 4k and 16k; see
+        benchmarks/results/backward_h100.md): FlexAttention's tiles (64 x 128 for dK/dV, 128 x 64
+        for dQ, 8 warps, 3 stages, pointer loads) at head dim 128 and for causal head dim 64;
+        64 x 64 tiles with 4 warps through tensor descriptors for non-causal head dim 64; at head
+        dim 256, 64 x 64 and 128 x 32 with 8 warps and 2 stages through descriptors (the first
+        spills a little, and still ran 1.4x the spill-free 32 x 64). The rest are conservative
+        choices that fit the shared memory and registers of their class.
         """
         d = block_d(problem.head_dim)
         if gpu.arch == "interpreter" or problem.dtype == "float32":
             return BackwardVariant(32, 32, 32, 32, num_warps=4, num_stages=1, dq_num_warps=4, dq_num_stages=1)
         if gpu.arch in ("hopper", "blackwell"):
             load = "desc" if problem.aligned else "ptr"
+            if d <= 64 and not problem.causal:
+                return BackwardVariant(64, 64, 64, 64, 4, 3, dq_num_warps=4, dq_num_stages=3, load=load)
             if d <= 128:
-                return BackwardVariant(64, 128, 128, 64, 8, 3, dq_num_warps=8, dq_num_stages=3, load=load)
-            return BackwardVariant(32, 64, 64, 64, 8, 2, dq_num_warps=8, dq_num_stages=2, load=load)
+                return BackwardVariant(64, 128, 128, 64, 8, 3, dq_num_warps=8, dq_num_stages=3)
+            return BackwardVariant(64, 64, 128, 32, 8, 2, dq_num_warps=8, dq_num_stages=2, load=load)
         warps = 4 if d <= 128 else 8
         return BackwardVariant(32, 64, 64, 32, warps, 2, dq_num_warps=warps, dq_num_stages=2)
 
