@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_session.sh tune         # the suite's tuning runs, then bench again
 #   bash benchmarks/gpu_session.sh prefill      # both prefill schedules, ablation, bench, a profile
 #   bash benchmarks/gpu_session.sh launch       # host cost per call, decode defaults, decode bench
+#   bash benchmarks/gpu_session.sh backward     # backward tests, the knob sweep, bench with Flex
 set -uo pipefail
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
@@ -63,6 +64,17 @@ launch() {  # what benchmarks/results/launch_h100.md was measured with (issue 14
     step dispatch-overhead python3 "$REPO/benchmarks/dispatch_overhead.py" -o "$OUT/launch.json"
     step decode-sweep python3 "$REPO/benchmarks/decode_defaults.py" -o "$OUT/decode_defaults.json"
     step bench-decode tunegen bench decode -o "$OUT/decode.csv"
+}
+
+backward() {  # what benchmarks/results/backward_h100.md was measured with (issue 15)
+    copy_tests
+    step backward-tests python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider /tmp/tunegen-tests/test_backward.py \
+        /tmp/tunegen-tests/test_compile.py /tmp/tunegen-tests/test_launcher.py
+    step backward-sweep-d128 python3 "$REPO/benchmarks/backward_defaults.py" --head-dims 128 \
+        --seqlens 1024,4096,16384 -o "$OUT/backward_defaults_d128.json"
+    step backward-sweep-d64-d256 python3 "$REPO/benchmarks/backward_defaults.py" --head-dims 64,256 \
+        --seqlens 1024,4096,16384 -o "$OUT/backward_defaults_d64_d256.json"
+    step bench-backward tunegen bench backward --seqlens 1024,2048,4096,8192,16384 -o "$OUT/backward.csv"
 }
 
 tune() {

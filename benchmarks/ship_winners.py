@@ -22,8 +22,8 @@ import json
 import subprocess
 from pathlib import Path
 
-from tunegen.bench import Shape
 from tunegen import families
+from tunegen.bench import Shape
 from tunegen.gpu import Gpu
 from tunegen.problem import Problem
 from tunegen.tuning_db.exchange import FORMAT, VERSION, parse_document
