@@ -16,17 +16,15 @@ with what was measured so far written out.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
 import dataclasses
 import datetime
 import faulthandler
 import functools
 import json
-import multiprocessing as mp
 import sys
 
 import torch
-from prefill_defaults import _sized
+from prefill_defaults import _sized, check_in_workers
 
 from tunegen import peers
 from tunegen.bench import Shape, prefill_suite
@@ -39,29 +37,20 @@ from tunegen.timing import median_ms
 Variant = backward.BackwardVariant
 # Per head dim: the base every other candidate changes one or two knobs of, then the tiles tried
 # (dK/dV walked x resident, warps, stages; dQ resident x walked, warps, stages).
+FLEX_TILES = dict(  # FlexAttention's H100 tiles for head dims 64 and 128
+    dkdv_block_m=64,
+    dkdv_block_n=128,
+    num_warps=8,
+    num_stages=3,
+    dq_block_m=128,
+    dq_block_n=64,
+    dq_num_warps=8,
+    dq_num_stages=3,
+    load="desc",
+)
 BASES = {
-    64: dict(
-        dkdv_block_m=64,
-        dkdv_block_n=128,
-        num_warps=8,
-        num_stages=3,
-        dq_block_m=128,
-        dq_block_n=64,
-        dq_num_warps=8,
-        dq_num_stages=3,
-        load="desc",
-    ),
-    128: dict(
-        dkdv_block_m=64,
-        dkdv_block_n=128,
-        num_warps=8,
-        num_stages=3,
-        dq_block_m=128,
-        dq_block_n=64,
-        dq_num_warps=8,
-        dq_num_stages=3,
-        load="desc",
-    ),
+    64: FLEX_TILES,
+    128: FLEX_TILES,
     256: dict(
         dkdv_block_m=32,
         dkdv_block_n=64,
@@ -237,16 +226,7 @@ def main() -> None:
             if backward.FAMILY.constraint(v, problem, gpu) is None:
                 jobs.append((shape, v.to_json()))
     print(f"{len(jobs)} kernels to build and check", flush=True)
-    with cf.ProcessPoolExecutor(args.workers, mp_context=mp.get_context("spawn")) as pool:
-        futures = [pool.submit(_compile_and_check, job) for job in jobs]
-        checked = []
-        for future in futures:
-            try:
-                checked.append(future.result(timeout=args.hang_s * 3))
-            except cf.TimeoutError:
-                checked.append("hung in the build-and-check worker")
-        for process in list(pool._processes.values()):
-            process.kill()
+    checked = check_in_workers(_compile_and_check, jobs, args.workers, args.hang_s)
     results: list[dict] = []
 
     def write() -> None:

@@ -162,6 +162,23 @@ def _compile_and_check(args: tuple[Shape, str]) -> str | None:
         return f"{type(exc).__name__}: {str(exc)[:300]}"
 
 
+def check_in_workers(check, jobs: list, workers: int, hang_s: float) -> list[str | None]:
+    """`check(job)` for every job in fresh spawned processes (none of them ever interpreted a
+    kernel), in order; a job that outlasts 3 x `hang_s` counts as hung, and the pool's processes
+    are killed at the end so that a hung kernel cannot hold the run."""
+    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+        futures = [pool.submit(check, job) for job in jobs]
+        checked = []
+        for future in futures:
+            try:
+                checked.append(future.result(timeout=hang_s * 3))
+            except cf.TimeoutError:
+                checked.append("hung in the build-and-check worker")
+        for process in list(pool._processes.values()):
+            process.kill()
+    return checked
+
+
 def _label(v: dict) -> str:
     if v["schedule"] == "ws":
         pp = "pp" if v["pingpong"] else ""
@@ -220,16 +237,7 @@ def main() -> None:
             if prefill.FAMILY.constraint(v, problem, gpu) is None:
                 jobs.append((shape, v.to_json()))
     print(f"{len(jobs)} kernels to build and check", flush=True)
-    with cf.ProcessPoolExecutor(args.workers, mp_context=mp.get_context("spawn")) as pool:
-        futures = [pool.submit(_compile_and_check, job) for job in jobs]
-        checked = []
-        for future in futures:
-            try:
-                checked.append(future.result(timeout=args.hang_s * 3))
-            except cf.TimeoutError:
-                checked.append("hung in the build-and-check worker")
-        for process in list(pool._processes.values()):
-            process.kill()
+    checked = check_in_workers(_compile_and_check, jobs, args.workers, args.hang_s)
     results: list[dict] = []
 
     def write() -> None:

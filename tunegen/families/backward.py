@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-from tunegen.families.prefill import block_d, dot_precision
+from tunegen.families.prefill import block_d, check_descriptors, dot_precision, load_paths
 from tunegen.gpu import Gpu
 from tunegen.problem import Problem
 from tunegen.variant import Variant
@@ -99,18 +99,7 @@ class BackwardFamily:
         if not isinstance(variant, BackwardVariant):
             raise ValueError(f"variant: expected a BackwardVariant, got {type(variant).__name__}")
         if variant.load == "desc":
-            if problem.dtype == "float32":
-                raise ValueError("variant.load: 'desc' takes 16-bit inputs; float32 needs 'ptr'")
-            if not problem.aligned:
-                raise ValueError(
-                    "variant.load: 'desc' needs 16-byte aligned base addresses and row strides; "
-                    "these inputs need 'ptr'"
-                )
-            if gpu.backend == "cuda" and gpu.capability < (9, 0):
-                raise ValueError(
-                    f"variant.load: 'desc' needs compute capability 9.0 or newer, "
-                    f"{gpu.name} has {gpu.capability}"
-                )
+            check_descriptors(problem, gpu)
 
     def search_space(self, problem: Problem, gpu: Gpu) -> dict[str, list]:
         """The knobs the tuner searches, dq_mode first (the dQ pass's knobs apply only where it has
@@ -125,13 +114,7 @@ class BackwardFamily:
             resident, walked, warps, stages = [32, 64], [16, 32], [4, 8], [1, 2, 3]
         else:
             resident, walked, warps, stages = [64, 128], [32, 64], [4, 8], [1, 2, 3, 4]
-        loads = ["ptr"]
-        if (
-            problem.aligned
-            and problem.dtype != "float32"
-            and (gpu.arch == "interpreter" or gpu.capability >= (9, 0))
-        ):
-            loads.append("desc")
+        loads = load_paths(problem, gpu)
         return {
             "dq_mode": list(DQ_MODES),
             "dkdv_block_m": walked,

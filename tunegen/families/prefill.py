@@ -147,6 +147,30 @@ def dot_precision(problem: Problem) -> str | None:
     return "ieee" if problem.dtype == "float32" else None
 
 
+def check_descriptors(problem: Problem, gpu: Gpu) -> None:
+    """Raise ValueError if tensor descriptors (load "desc") cannot read `problem`'s inputs on
+    `gpu`: they take 16-bit, 16-byte aligned inputs and compute capability 9.0."""
+    if problem.dtype == "float32":
+        raise ValueError("variant.load: 'desc' takes 16-bit inputs; float32 needs 'ptr'")
+    if not problem.aligned:
+        raise ValueError(
+            "variant.load: 'desc' needs 16-byte aligned base addresses and strides; these inputs need 'ptr'"
+        )
+    if gpu.backend == "cuda" and gpu.capability < (9, 0):
+        raise ValueError(
+            f"variant.load: 'desc' needs compute capability 9.0 or newer, {gpu.name} has {gpu.capability}"
+        )
+
+
+def load_paths(problem: Problem, gpu: Gpu) -> list[str]:
+    """The load knob's values worth searching for `problem` on `gpu`: "desc" where it may run."""
+    try:
+        check_descriptors(problem, gpu)
+    except ValueError:
+        return ["ptr"]
+    return ["ptr", "desc"]
+
+
 def _check_fp8(variant: PrefillVariant, problem: Problem, gpu: Gpu) -> None:
     """What an fp8 Problem adds: padded batches, bf16 output, key tiles of at least 32 (e4m3
     products need K >= 32 on NVIDIA GPUs; checked on every backend so that the interpreter runs
@@ -324,18 +348,7 @@ class PrefillFamily:
         elif not variant.p_fp8 or variant.v_trans:
             raise ValueError("variant.p_fp8, variant.v_trans: FP8 knobs, for fp8 Problems only")
         if variant.load == "desc":
-            if problem.dtype == "float32":
-                raise ValueError("variant.load: 'desc' takes 16-bit inputs; float32 needs 'ptr'")
-            if not problem.aligned:
-                raise ValueError(
-                    "variant.load: 'desc' needs 16-byte aligned base addresses and strides; "
-                    "these inputs need 'ptr'"
-                )
-            if gpu.backend == "cuda" and gpu.capability < (9, 0):
-                raise ValueError(
-                    f"variant.load: 'desc' needs compute capability 9.0 or newer, "
-                    f"{gpu.name} has {gpu.capability}"
-                )
+            check_descriptors(problem, gpu)
 
     def search_space(self, problem: Problem, gpu: Gpu) -> dict[str, list]:
         """The knobs the tuner searches and their values for this Problem on this Gpu, the
@@ -349,13 +362,7 @@ class PrefillFamily:
             tiles, warps, stages = [16, 32], [4], [1]
         else:
             tiles, warps, stages = [32, 64, 128], [4, 8], [2, 3, 4] + ([5] if problem.fp8 else [])
-        loads = ["ptr"]
-        if (
-            problem.aligned
-            and problem.dtype != "float32"
-            and (gpu.arch == "interpreter" or gpu.capability >= (9, 0))
-        ):
-            loads.append("desc")
+        loads = load_paths(problem, gpu)
         schedules = ["fa2"]
         try:
             _check_ws(problem, gpu)
