@@ -90,7 +90,7 @@ def error_budget(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
     K (as they are, or rotated first), only V, or only P are rounded to e4m3."""
     plain, rotated = (
         [fp8.dequantize(t, s) for t, s in zip(x[:3], x[3:], strict=True)]
-        for x in (fp8.quantize_fp8(q, k, v, hadamard=False), fp8.quantize_fp8(q, k, v))
+        for x in (fp8.quantize_reference(q, k, v, hadamard=h, per_block=True) for h in (False, True))
     )
     alone = {
         "q,k": lambda b, h: attend(plain[0][b, h], plain[1][b, h], v[b, h], causal),

@@ -405,19 +405,26 @@ def bench_fp8(seqlens, causal, tokens, hidden, batches, cache_lengths, page_size
         table.add_column(col, justify="right")
     cells: dict[tuple, dict[str, str]] = {}
     for r in prefill_rows:
-        cell = f"{r.tflops:.0f}" if r.tflops is not None else ("wrong" if r.note.startswith("wrong") else "-")
+        if r.tflops is not None:
+            cell = f"{r.tflops:.0f}"
+        elif r.ms is not None:  # the quantize step: no FLOPs of its own
+            cell = f"{r.ms * 1e3:.0f} us"
+        else:
+            cell = "wrong" if r.note.startswith("wrong") else "-"
         cells.setdefault((r.causal, r.seqlen, r.batch, r.heads), {})[r.impl] = cell
     for key, row in cells.items():
         table.add_row(*(str(x) for x in key), *(row.get(n, "") for n in names))
     console.print(table)
     table = Table(
-        title="FP8 against bf16 (prefill: tunegen-fp8 / tunegen-bf16; decode: time of bf16 / FP8 cache)"
+        title="FP8 against bf16 (prefill: tunegen-fp8 / tunegen-bf16, end to end from bf16 with the "
+        "quantize step, that step's time over the FP8 kernel's; decode: time of bf16 / FP8 cache)"
     )
-    for col in ("family", "shape", "fp8", "bf16", "unit", "speedup"):
+    numbers = ("fp8", "bf16", "speedup", "end_to_end", "quantize_share")
+    for col in ("family", "shape", "fp8", "bf16", "unit", "speedup", "end to end", "quantize / kernel"):
         table.add_column(col, justify="right")
     for s in speedups:
-        fp8, bf16, speedup = (f"{s[n]:.4g}" if s[n] is not None else "-" for n in ("fp8", "bf16", "speedup"))
-        table.add_row(s["family"], s["shape"], fp8, bf16, s["unit"], speedup)
+        fp8, bf16, speedup, whole, share = (f"{s[n]:.4g}" if s[n] is not None else "-" for n in numbers)
+        table.add_row(s["family"], s["shape"], fp8, bf16, s["unit"], speedup, whole, share)
     console.print(table)
 
 

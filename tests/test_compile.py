@@ -137,18 +137,23 @@ def test_ws_variants_compile_for_sm90_with_wgmma_and_without_spilling():
         ("bfloat16", 64, False, 1, True, dataclasses.replace(ws, block_m=128, block_n=64, producer_regs=40)),
         ("bfloat16", 128, True, 16, False, grouped),
         ("bfloat16", 64, True, 8, True, dataclasses.replace(ws, consumers=3, overlap=False, reverse_m=True)),
+        ("e4m3", 128, True, 4, True, ws),
+        ("e4m3", 128, False, 16, False, dataclasses.replace(ws, num_stages=4, persistent=True)),
+        ("e4m3", 64, True, 16, True, dataclasses.replace(ws, consumers=3, overlap=False, order="grouped")),
     ]
     jobs = []
     for dtype, d, causal, kv_heads, lse, variant in cases:
-        problem = Problem("prefill", dtype, d, causal, 16, kv_heads, 2, 4096, 4096, return_lse=lse)
+        fp8 = dtype == "e4m3"  # e4m3 inputs, bf16 output
+        dtype = "bfloat16" if fp8 else dtype
+        problem = Problem("prefill", dtype, d, causal, 16, kv_heads, 2, 4096, 4096, fp8=fp8, return_lse=lse)
         assert prefill.FAMILY.constraint(variant, problem, gpu) is None
         jobs.append(_job(gpu, problem, variant))
     for (dtype, d, *_, variant), job, report in zip(cases, jobs, compile_many(jobs, workers=2), strict=True):
         assert report.error is None, (job.rendered.source.splitlines()[3], report.error)
         assert 0 < report.shared_bytes <= gpu.smem_per_block
         assert report.local_bytes is not None and report.local_bytes <= 64, report.local_bytes
-        operand = "bf16" if dtype == "bfloat16" else "f16"
+        operand, k = {"bfloat16": ("bf16", 16), "float16": ("f16", 16), "e4m3": ("e4m3", 32)}[dtype]
         for n in (variant.block_n, d):
-            assert f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{operand}.{operand}" in report.mma, (
+            assert f"wgmma.mma_async.sync.aligned.m64n{n}k{k}.f32.{operand}.{operand}" in report.mma, (
                 report.mma
             )

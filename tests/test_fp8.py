@@ -63,7 +63,7 @@ def test_scales_map_each_block_max_to_448_and_round_trip(per_block):
     q[:, :, 128:] *= 16  # the second block of rows is larger: its own scale
     q[0, 1, 3, 5] = 200.0  # an outlier
     k, v = randn(2, 2, 150, 32, gen=gen, dtype=torch.float16), randn(2, 2, 150, 32, gen=gen)
-    x = fp8.quantize_fp8(q, k, v.half(), hadamard=False, per_block=per_block)
+    x = tunegen.quantize_fp8(q, k, v.half(), hadamard=False, per_block=per_block)
     assert all(t.dtype == fp8.E4M3 for t in x[:3]) and all(s.dtype == torch.float32 for s in x[3:])
     if per_block:
         assert x.q_descale.shape == (2, 4, 2) and x.k_descale.shape == (2, 2, 2)
@@ -75,7 +75,7 @@ def test_scales_map_each_block_max_to_448_and_round_trip(per_block):
         blocks = x.q.float().abs().view(2, 2, -1).amax(-1)
     assert x.v_descale.shape == (2, 2)
     assert torch.all(blocks == fp8.E4M3_MAX), "each block's largest magnitude maps to 448"
-    assert torch.all(x.v.float().abs().view(2, 2, -1).amax(-1) == fp8.E4M3_MAX)
+    assert torch.all(x.v.float().abs().reshape(2, 2, -1).amax(-1) == fp8.E4M3_MAX)
     for original, quantized, descale in ((q, x.q, x.q_descale), (k, x.k, x.k_descale)):
         back = fp8.dequantize(quantized, descale)
         step = fp8.dequantize(torch.ones_like(quantized, dtype=torch.float32), descale)
@@ -142,7 +142,7 @@ def test_each_block_of_rows_uses_its_own_scale(device):
     q[:, :, 128:] *= 16
     k[:, :, :128] /= 16
     for per_block in (True, False):
-        x = fp8.quantize_fp8(q, k, v, hadamard=False, per_block=per_block)
+        x = tunegen.quantize_fp8(q, k, v, hadamard=False, per_block=per_block)
         for causal in (False, True):
             out, lse = run_fp8(
                 prefill.PrefillVariant(block_m=32, block_n=32, num_stages=1), x, causal=causal, scale=0.1
@@ -177,7 +177,7 @@ def test_public_api_takes_e4m3_inputs_with_fa3_descales(device):
     gen = torch.Generator().manual_seed(14)
     q = randn(2, 6, 29, 32, gen=gen, device=device)
     k, v = (randn(2, 3, 29, 32, gen=gen, device=device) for _ in range(2))
-    x = fp8.quantize_fp8(q, k, v, hadamard=False, per_block=False)
+    x = tunegen.quantize_fp8(q, k, v, hadamard=False, per_block=False)
     out, lse = tunegen.attention(**x._asdict(), return_lse=True, strict=True)
     ref, ref_lse = attention_reference(*dequantized(x), causal=False, scale=32**-0.5)
     assert out.dtype == torch.bfloat16 and rel_err(out, ref) < P_E4M3_TOL
@@ -283,8 +283,13 @@ def test_bench_fp8_pairs_and_speedups():
     )
     shape = bench.Shape(1, 16, 16, 4096, 128, False)
     prefill_rows = [
-        bench._row(impl, dtype, shape, 1.0, tflops, 0.01, "", "H100", "2026-11-22")
-        for impl, dtype, tflops in (("tunegen-bf16", "bf16", 400.0), ("tunegen-fp8", "fp8", 700.0))
+        bench._row(impl, dtype, shape, ms, tflops, 0.01, "", "H100", "2026-11-22")
+        for impl, dtype, ms, tflops in (
+            ("tunegen-bf16", "bf16", 1.75, 400.0),
+            ("tunegen-fp8", "fp8", 1.0, 700.0),
+            ("tunegen-fp8-hadamard", "fp8", 1.1, 636.0),
+            ("quantize-fp8", "fp8", 0.05, None),
+        )
     ]
     decode_rows = [
         {"impl": "tunegen", "batch": 64, "seqlen_k": 32768, "page_size": 0, "fp8": fp8_cache, "ms": ms}
@@ -292,6 +297,8 @@ def test_bench_fp8_pairs_and_speedups():
     ]
     prefill_speedup, decode_speedup = bench.fp8_speedups(prefill_rows, decode_rows)
     assert prefill_speedup["speedup"] == pytest.approx(1.75) and prefill_speedup["unit"] == "TFLOP/s"
+    assert prefill_speedup["end_to_end"] == pytest.approx(1.59) and prefill_speedup["quantize_share"] == 0.05
+    assert decode_speedup["end_to_end"] is None
     assert (
         decode_speedup["speedup"] == pytest.approx(3.4 / 1.8) and decode_speedup["shape"] == "B64 cache 32768"
     )
@@ -324,8 +331,8 @@ def test_the_tuners_fp8_case_checks_the_kernel_it_times(causal):
 def test_quantize_fp8_takes_strided_views(per_block):
     gen = torch.Generator().manual_seed(16)
     q, k, v = (randn(2, 19, h, 32, gen=gen, dtype=torch.bfloat16).transpose(1, 2) for h in (4, 2, 2))
-    strided = fp8.quantize_fp8(q, k, v, hadamard=False, per_block=per_block)
-    copied = fp8.quantize_fp8(*(t.contiguous() for t in (q, k, v)), hadamard=False, per_block=per_block)
+    strided = tunegen.quantize_fp8(q, k, v, hadamard=False, per_block=per_block)
+    copied = tunegen.quantize_fp8(*(t.contiguous() for t in (q, k, v)), hadamard=False, per_block=per_block)
     for a, b in zip(strided, copied, strict=True):
         assert torch.equal(a.float(), b.float())
 

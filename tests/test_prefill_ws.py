@@ -72,7 +72,7 @@ def test_fa2_variants_keep_the_ws_knobs_at_their_defaults():
         (PROBLEM, dataclasses.replace(H100, triton_version="3.5.1"), "Triton >= 3.6's Gluon, not 3.5.1"),
         (dataclasses.replace(PROBLEM, dtype="float32"), H100, "takes float16 or bfloat16"),
         (dataclasses.replace(PROBLEM, head_dim=96), H100, "takes head dims \\(64, 128\\), got 96"),
-        (dataclasses.replace(PROBLEM, varlen=True), H100, "varlen and fp8 take 'fa2'"),
+        (dataclasses.replace(PROBLEM, varlen=True), H100, "varlen takes 'fa2'"),
         (dataclasses.replace(PROBLEM, aligned=False), H100, "16-byte aligned"),
     ],
 )
@@ -229,3 +229,84 @@ def test_below_one_wave_of_tiles_the_default_is_fa2():
     assert prefill.FAMILY.default_variant(short, H100).schedule == "fa2"  # 128 tiles, 132 SMs
     wave = dataclasses.replace(short, batch=2)
     assert prefill.FAMILY.default_variant(wave, H100).schedule == "ws"
+
+
+# --- FP8 ------------------------------------------------------------------------------------
+
+FP8 = dataclasses.replace(PROBLEM, fp8=True, return_lse=True)
+
+
+@pytest.mark.parametrize(
+    ("d", "changes", "reason"),
+    [
+        (128, {}, None),
+        (128, {"num_stages": 4}, None),  # e4m3 K and V tiles take half the shared memory
+        (128, {"block_m": 128, "consumers": 1, "pingpong": False}, "registers"),
+        (64, {"block_m": 128, "block_n": 64, "consumers": 1, "pingpong": False}, None),
+        (64, {"consumers": 3}, "registers"),  # an e4m3 P tile costs a 16-bit one's registers
+        (64, {"consumers": 3, "overlap": False}, None),
+    ],
+)
+def test_ws_takes_fp8_within_its_budget(d, changes, reason):
+    variant, problem = dataclasses.replace(WS, **changes), dataclasses.replace(FP8, head_dim=d)
+    found = prefill.FAMILY.constraint(variant, problem, H100)
+    assert (found is None) if reason is None else (reason in found), found
+    assert "ws" in prefill.FAMILY.search_space(FP8, H100)["schedule"]
+    with pytest.raises(ValueError, match="varlen takes 'fa2'"):
+        prefill.FAMILY.check_variant(WS, dataclasses.replace(FP8, varlen=True), H100)
+
+
+FP8_KNOBS = [
+    WS,
+    dataclasses.replace(WS, pingpong=False),
+    dataclasses.replace(WS, overlap=False, num_stages=3),
+    dataclasses.replace(WS, block_n=64, num_stages=4, persistent=True),
+    dataclasses.replace(WS, block_n=64, consumers=1, pingpong=False, ctas_per_sm=2, order="grouped"),
+    dataclasses.replace(WS, consumers=3, overlap=False, persistent=True, order="head_inner"),
+]
+
+
+def _fp8_check(variant, x, causal, scale=0.3):
+    """One FP8 Variant into poisoned outputs against float64 on the dequantized inputs."""
+    from test_fp8 import P_E4M3_TOL, dequantized, run_fp8
+
+    out, lse = run_fp8(variant, x, causal=causal, scale=scale)
+    ref, ref_lse = attention_reference(*dequantized(x), causal=causal, scale=scale)
+    assert rel_err(out, ref) < P_E4M3_TOL
+    assert_lse(lse, ref_lse, torch.bfloat16)
+    return out
+
+
+@pytest.mark.gpu
+@HOPPER
+@pytest.mark.parametrize("variant", FP8_KNOBS, ids=lambda v: v.to_json())
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(("nq", "nk"), [(333, 333), (200, 517), (517, 190)], ids=str)
+@pytest.mark.parametrize("d", [64, 128])
+def test_every_ws_knob_in_fp8_against_float64(variant, causal, nq, nk, d):
+    """e4m3 inputs from tunegen.quantize_fp8 (per-block scales, rotated, V K-major), ragged, GQA."""
+    if prefill.FAMILY.constraint(variant, dataclasses.replace(FP8, head_dim=d), H100):
+        pytest.skip("outside the constraint at this head dim")
+    q, k, v = _inputs(2, 4, 2, nq, nk, d, torch.bfloat16, seed=nq * 5 + nk + d)
+    x = tunegen.quantize_fp8(q, k, v)
+    out = _fp8_check(variant, x, causal)
+    if causal and nq > nk:
+        assert torch.all(out[:, :, : nq - nk] == 0)
+
+
+@pytest.mark.gpu
+@HOPPER
+def test_ws_fp8_takes_fa3_descales_and_row_major_v():
+    """One descale per (batch, KV head), V as users pass it (row-major, transposed by the launcher),
+    MQA, a persistent grid of several waves; and the public call on 16-bit inputs."""
+    q, k, v = _inputs(3, 8, 1, 1100, 1100, 128, torch.bfloat16, seed=21)
+    x = tunegen.quantize_fp8(q, k, v, per_block=False)
+    for variant in (WS, dataclasses.replace(WS, persistent=True)):
+        for causal in (False, True):
+            a = _fp8_check(variant, x, causal)
+            b = _fp8_check(variant, x._replace(v=x.v.contiguous()), causal)
+            assert torch.equal(a, b)
+    for causal in (False, True):
+        out = tunegen.attention(q, k, v, causal=causal, precision="fp8", strict=True)
+        ref, _ = attention_reference(q, k, v, causal=causal, scale=128**-0.5)
+        assert rel_err(out, ref) < 8e-2

@@ -12,7 +12,7 @@ import tunegen.source_tree  # first: a clone run without installing finds its ro
 import tunegen.ops  # noqa: F401  (registers torch.ops.tunegen.*)
 from tunegen.api import FallbackError, attention, attention_varlen, explain
 from tunegen.decode import decode_attention
-from tunegen.fp8 import quantize_fp8
+from tunegen.fp8_quantize import quantize_fp8
 from tunegen.kvcache import KVCache
 
 __version__ = "0.1.0"

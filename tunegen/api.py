@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from tunegen import checks, dispatch, fp8_attention, launcher
-from tunegen.gpu import gpu_of
+from tunegen.gpu import gpu_of, interpreting
 from tunegen.problem import DTYPE_NAMES, Problem, bucket
 from tunegen.reference import attention_reference, attention_varlen_reference
 
@@ -17,16 +17,12 @@ class FallbackError(RuntimeError):
     """Raised in strict mode when a call would not run a Triton kernel."""
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
 def backend_for(device: torch.device, strict: bool | None = None) -> str:
     """Which path runs on `device`: "cuda" (compiled Triton), "interpreter" (Triton's interpreter
     on CPU tensors, with TRITON_INTERPRET=1) or "torch" (the PyTorch reference, refused when strict)."""
     if device.type == "cuda":
         return "cuda"
-    if device.type == "cpu" and _interpreting():
+    if device.type == "cpu" and interpreting():
         return "interpreter"
     if strict is None:
         strict = os.environ.get("TUNEGEN_STRICT", "0").lower() in ("1", "true", "on", "yes")

@@ -15,10 +15,17 @@ MAX_HEAD_DIM = 256
 
 
 def tensor_arg(
-    name: str, t: object, rank: int, layout: str, dtypes: Collection[torch.dtype] = tuple(DTYPE_NAMES)
+    name: str,
+    t: object,
+    rank: int,
+    layout: str,
+    dtypes: Collection[torch.dtype] = tuple(DTYPE_NAMES),
+    *,
+    k_major: bool = False,
 ) -> torch.Tensor:
     """`t` if it is a non-empty tensor of one of `dtypes` (default: the floating ones kernels
-    take) with `rank` dims and a unit last stride."""
+    take) with `rank` dims and a unit last stride, or with `k_major` a unit stride on the dim
+    before it (seqlen: V as `tunegen.quantize_fp8` writes it)."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor of shape {layout}, got {type(t).__name__}")
     if t.dim() != rank:
@@ -29,10 +36,11 @@ def tensor_arg(
         raise ValueError(f"{name}: expected dtype {expected}, got {t.dtype}")
     if t.numel() == 0:
         raise ValueError(f"{name}: every dimension must be non-zero, got shape {tuple(t.shape)}")
-    if t.stride(-1) != 1:
+    if t.stride(-1) != 1 and not (k_major and t.stride(-2) == 1):
+        either = " or seqlen (K-major)" if k_major else ""
         raise ValueError(
-            f"{name}: the last dimension (head_dim) must have stride 1, got strides {tuple(t.stride())}; "
-            "call .contiguous() on it"
+            f"{name}: the last dimension (head_dim){either} must have stride 1, got strides "
+            f"{tuple(t.stride())}; call .contiguous() on it"
         )
     return t
 
@@ -63,11 +71,20 @@ def heads(hq: int, hk: int, hv: int, *, k_name: str = "k", v_name: str = "v") ->
 
 
 def check_attention(
-    q: object, k: object, v: object, dtypes: Collection[torch.dtype] = tuple(DTYPE_NAMES)
+    q: object,
+    k: object,
+    v: object,
+    dtypes: Collection[torch.dtype] = tuple(DTYPE_NAMES),
+    *,
+    k_major_v: bool = False,
 ) -> None:
-    """Check (batch, heads, seqlen, head_dim) inputs in scaled_dot_product_attention's layout."""
+    """Check (batch, heads, seqlen, head_dim) inputs in scaled_dot_product_attention's layout; with
+    `k_major_v`, v may also be K-major (seqlen contiguous)."""
     layout = "(batch, heads, seqlen, head_dim)"
-    q, k, v = (tensor_arg(n, t, 4, layout, dtypes) for n, t in (("q", q), ("k", k), ("v", v)))
+    q, k, v = (
+        tensor_arg(n, t, 4, layout, dtypes, k_major=n == "v" and k_major_v)
+        for n, t in (("q", q), ("k", k), ("v", v))
+    )
     same_as_q(q, {"k": k, "v": v})
     for name, t in (("k", k), ("v", v)):
         if t.shape[0] != q.shape[0]:

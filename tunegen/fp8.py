@@ -17,8 +17,6 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from tunegen import checks
-
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 # Rows of Q or K sharing one scale; every FP8 kernel tile (at most 128 rows) lies inside one block.
@@ -126,24 +124,28 @@ def calibrate_kv(x: torch.Tensor, headroom: float) -> torch.Tensor:
     return _descale_of(x.float().abs().amax(dim=(1, 3)) * headroom)
 
 
-def quantize_fp8(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    hadamard: bool = True,
-    per_block: bool = True,
-) -> Fp8Inputs:
-    """Rotate (optionally) and quantize attention inputs to float8 e4m3 for `tunegen.attention`.
+def k_major(x8: torch.Tensor) -> torch.Tensor:
+    """x8 (batch, heads, seqlen, head_dim) as a view of the same shape whose memory is K-major:
+    (head_dim, seqlen) per head, rows padded to 16 bytes. Hopper's FP8 products read their right
+    operand so (V in P·V), and `quantize_fp8` writes V so."""
+    b, h, n, d = x8.shape
+    out = torch.empty((b, h, d, -(-n // 16) * 16), device=x8.device, dtype=x8.dtype)
+    view = out[..., :n].transpose(2, 3)
+    view.copy_(x8)
+    return view
 
-    q (batch, heads_q, seqlen_q, head_dim), k and v (batch, heads_kv, seqlen_k, head_dim), in
-    float16, bfloat16 or float32. With `hadamard`, q and k are multiplied by the orthonormal
-    Walsh-Hadamard matrix along head_dim (see `hadamard_block`), which leaves QKᵀ unchanged and
-    spreads outlier features over many coordinates before rounding. With `per_block`, q and k get one
-    scale per SCALE_BLOCK rows of each head; otherwise one per (batch, KV head), FA3's layout. v
-    is scaled per (batch, KV head). Each block's largest magnitude maps to 448, e4m3's largest.
-    """
-    checks.check_attention(q, k, v)
+
+def is_k_major(x: torch.Tensor) -> bool:
+    """Whether (batch, heads, seqlen, head_dim) x is laid out as `k_major` writes it: seqlen
+    contiguous, each head_dim row starting 16 bytes after the last."""
+    return x.stride(2) == 1 and (x.shape[3] == 1 or (x.stride(3) * x.element_size()) % 16 == 0)
+
+
+def quantize_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, hadamard: bool, per_block: bool
+) -> Fp8Inputs:
+    """`tunegen.quantize_fp8` in PyTorch operations (the CPU path and the kernel's reference): the
+    same rotation, scales and layouts, one tensor operation at a time."""
     group = q.shape[1] // k.shape[1]
     if hadamard:
         q, k = rotate(q), rotate(k)
@@ -151,4 +153,4 @@ def quantize_fp8(
     q8, q_descale = quantize_blocks(q, group, rows)
     k8, k_descale = quantize_blocks(k, 1, rows)
     v8, v_descale = quantize_blocks(v, 1, None)
-    return Fp8Inputs(q8, k8, v8, q_descale, k_descale, v_descale)
+    return Fp8Inputs(q8, k8, k_major(v8), q_descale, k_descale, v_descale)

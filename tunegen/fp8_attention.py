@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tunegen import checks, dispatch, fp8
+from tunegen import checks, dispatch, fp8, fp8_quantize
 from tunegen.gpu import gpu_of
 from tunegen.problem import Problem, bucket
 from tunegen.reference import attention_reference
@@ -42,7 +42,7 @@ def _inputs(q, k, v, precision, hadamard, descales) -> tuple[fp8.Fp8Inputs, torc
     if precision not in PRECISIONS:
         raise ValueError(f"precision: expected None or 'fp8', got {precision!r}")
     if getattr(q, "dtype", None) == fp8.E4M3:
-        checks.check_attention(q, k, v, (fp8.E4M3,))
+        checks.check_attention(q, k, v, (fp8.E4M3,), k_major_v=True)
         _check_no_grad(q, k, v)
         if hadamard:
             raise ValueError(
@@ -71,7 +71,8 @@ def _inputs(q, k, v, precision, hadamard, descales) -> tuple[fp8.Fp8Inputs, torc
         raise ValueError("hadamard: the rotation applies to precision='fp8' only")
     checks.check_attention(q, k, v, (torch.float16, torch.bfloat16))
     _check_no_grad(q, k, v)
-    return fp8.quantize_fp8(q, k, v, hadamard=True if hadamard is None else bool(hadamard)), q.dtype
+    rotate = True if hadamard is None else bool(hadamard)
+    return fp8_quantize.quantize_fp8(q, k, v, hadamard=rotate), q.dtype
 
 
 def attention_fp8(
@@ -115,7 +116,7 @@ def attention_fp8(
             seqlen_k=bucket(k.shape[2]),
             fp8=True,
             return_lse=bool(return_lse),
-            aligned=checks.is_aligned16(x.q, x.k, x.v, out),
+            aligned=checks.is_aligned16(x.q, x.k, out, x.v.transpose(2, 3) if fp8.is_k_major(x.v) else x.v),
         )
         kernel = dispatch.kernel_for(problem, gpu_of(q.device))
         kernel.launch(x.q, x.k, x.v, out, lse, scale, *x[3:])

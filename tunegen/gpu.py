@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import torch
 import triton
@@ -64,6 +65,11 @@ def interpreter_gpu() -> Gpu:
         torch_version=torch.__version__,
         backend="interpreter",
     )
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET=1): on CPU tensors, then."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 def gpu_of(device: torch.device) -> Gpu:

@@ -195,8 +195,8 @@ def _check_fp8(variant: PrefillVariant, problem: Problem, gpu: Gpu) -> None:
 
 def _check_ws(problem: Problem, gpu: Gpu) -> None:
     """Where schedule "ws" runs: Hopper's wgmma and TMA (sm_90; not the interpreter, which cannot
-    run Gluon), Gluon as of Triton 3.6, 16-bit inputs whose rows TMA can address, head dims its
-    register budget was sized for, and dense batches (varlen and FP8 take schedule "fa2")."""
+    run Gluon), Gluon as of Triton 3.6, 16-bit or FP8 inputs whose rows TMA can address, head dims
+    its register budget was sized for, and dense batches (varlen takes schedule "fa2")."""
     if gpu.backend != "cuda" or gpu.capability != (9, 0):
         where = "Triton's interpreter" if gpu.backend == "interpreter" else f"{gpu.name} {gpu.capability}"
         raise ValueError(f"variant.schedule: 'ws' needs a Hopper GPU (sm_90), not {where}")
@@ -210,8 +210,8 @@ def _check_ws(problem: Problem, gpu: Gpu) -> None:
         raise ValueError(
             f"variant.schedule: 'ws' takes head dims {WS_HEAD_DIMS}, got {problem.head_dim} ('fa2' runs it)"
         )
-    if problem.varlen or problem.fp8:
-        raise ValueError("variant.schedule: 'ws' runs dense 16-bit batches; varlen and fp8 take 'fa2'")
+    if problem.varlen:
+        raise ValueError("variant.schedule: 'ws' runs dense batches; varlen takes 'fa2'")
     if not problem.aligned:
         raise ValueError("variant.schedule: 'ws' loads by TMA, which needs 16-byte aligned bases and strides")
 
@@ -219,10 +219,13 @@ def _check_ws(problem: Problem, gpu: Gpu) -> None:
 def _ws_constraint(variant: PrefillVariant, problem: Problem, gpu: Gpu) -> str | None:
     """Schedule "ws" within the GPU's shared memory (every consumer's query and output tiles and
     the K/V ring) and each consumer's registers: the float32 output and score tiles and the 16-bit
-    P tile of one warpgroup (two with overlap), plus 32 for the rest. Calibrated on sm_90 compiles
+    P tile of one warpgroup (two with overlap), plus 32 for the rest; an e4m3 P tile costs as
+    much (the conversion to the operand's layout holds it as 16-bit pairs). Calibrated on sm_90 compiles
     with Triton 3.6 (cuobjdump, ptxas): within this bound nothing spills inside the key loop."""
     d = problem.head_dim
-    smem = (2 * variant.consumers * variant.block_m + 2 * variant.num_stages * variant.block_n) * d * 2 + 1024
+    size = 1 if problem.fp8 else 2  # bytes per element of Q, K and V; the output is 16-bit
+    tiles = variant.consumers * variant.block_m * (size + 2) + 2 * variant.num_stages * variant.block_n * size
+    smem = tiles * d + 1024
     # An SM holds one block's maximum plus 1 KB that each resident block reserves.
     limit = (gpu.smem_per_block + 1024) // variant.ctas_per_sm - 1024
     if smem > limit:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from tunegen import fp8
+from tunegen import fp8, fp8_quantize
 from tunegen.families.base import Case, Kernel
 from tunegen.problem import TORCH_DTYPES, Problem
 from tunegen.reference import attention_reference, sampled_error
@@ -26,7 +26,7 @@ def prefill_case(problem: Problem, kernel: Kernel | None, device: torch.device, 
     scale = d**-0.5
     inputs = (q, k, v)
     if problem.fp8:
-        inputs = fp8.quantize_fp8(q, k, v, hadamard=False)
+        inputs = fp8_quantize.quantize_fp8(q, k, v, hadamard=False)
         q, k, v = (fp8.dequantize(x, s, torch.float32) for x, s in zip(inputs[:3], inputs[3:], strict=True))
 
     def error_of(out: torch.Tensor) -> float:

@@ -1,0 +1,203 @@
+"""Pick the default FP8 prefill Variants for Hopper: verify and time the warp-specialized schedule's
+FP8 Variants and FlashAttention-2's FP8 loop on e4m3 inputs from `tunegen.quantize_fp8` (rotated,
+per-block scales, V K-major), beside tunegen's bf16 default and cuDNN bf16 on the same inputs, and
+the quantize step alone, in one run.
+
+Each Variant is built and checked against float64 on the dequantized inputs at a ragged size (GQA,
+lengths no tile divides, outputs poisoned) in parallel worker processes first; then each is checked
+again on sampled rows of each shape and timed. Results are written after every shape.
+
+    python benchmarks/fp8_defaults.py --seqlens 2048,16384 -o fp8_defaults_h100.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import itertools
+import json
+
+import torch
+from prefill_defaults import WS, _label, _sized, check_in_workers
+
+import tunegen
+from tunegen import fp8, peers
+from tunegen.bench import prefill_suite
+from tunegen.families import base, prefill
+from tunegen.gpu import cuda_gpu
+from tunegen.reference import TOLERANCE, attention_reference, sampled_error
+from tunegen.timing import median_ms
+
+FP8_TOLERANCE = 3e-2  # P rounded to e4m3 before the second product (tests/test_fp8.py)
+
+
+def candidates(head_dim: int, causal: bool) -> list[prefill.PrefillVariant]:
+    """The "ws" tile shapes of prefill_defaults.py that fit FP8's budget, each persistent or not (and
+    for causal, heaviest blocks first in L2-sized groups of heads), deeper rings for FP8's half-size
+    K and V tiles, and FlashAttention-2's FP8 loop as the family's default has it."""
+    # (order, reverse_m, persistent): causal tries heaviest-first groups either way, and FA2's order.
+    orders = [("grouped", True, False), ("grouped", True, True), ("m_inner", False, False)]
+    if not causal:
+        orders = [("m_inner", False, False), ("m_inner", False, True)]
+    shapes = [*WS[head_dim], (64, 128, 3, 2, False, True, 1), (64, 128, 4, 2, False, True, 1)]
+    out = [
+        prefill.PrefillVariant(block_m=128, block_n=128, num_warps=8, num_stages=3, load="desc", v_trans=True)
+    ]
+    for (bm, bn, s, c, pp, ov, ctas), (order, rev, persistent) in itertools.product(shapes, orders):
+        out.append(
+            prefill.PrefillVariant(
+                schedule="ws",
+                block_m=bm,
+                block_n=bn,
+                num_stages=s,
+                consumers=c,
+                pingpong=pp,
+                overlap=ov,
+                ctas_per_sm=ctas,
+                persistent=persistent,
+                order=order,
+                reverse_m=rev,
+            )
+        )
+    return out
+
+
+def _problem(shape):
+    return dataclasses.replace(shape.problem("bfloat16"), fp8=True)
+
+
+def _bf16(shape, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    mk = lambda h: torch.randn(shape.batch, h, shape.seqlen, shape.head_dim, generator=gen).cuda().bfloat16()
+    return mk(shape.heads), mk(shape.kv_heads), mk(shape.kv_heads), gen
+
+
+def _compile_and_check(args) -> str | None:
+    """Build the FP8 Variant and check it against float64 at 2 x 333 tokens with the shape's
+    features; None when right, else why not."""
+    shape, variant_json = args
+    variant = prefill.PrefillVariant.from_json(variant_json)
+    try:
+        kernel = base.build(prefill.FAMILY, variant, _problem(shape), cuda_gpu(0))
+        gen = torch.Generator().manual_seed(1)
+        group = shape.heads // shape.kv_heads
+        mk = lambda h: torch.randn(2, h, 333, shape.head_dim, generator=gen).cuda().bfloat16()
+        x = tunegen.quantize_fp8(mk(2 * group), mk(2), mk(2))
+        out = torch.full(x.q.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+        kernel.launch(*x[:3], out, None, 0.3, *x[3:])
+        values = [fp8.dequantize(t, s) for t, s in zip(x[:3], x[3:], strict=True)]
+        ref, _ = attention_reference(*values, causal=shape.causal, scale=0.3)
+        err = float((out.double() - ref).norm() / ref.norm()) if not out.isnan().any() else float("nan")
+        return None if err < FP8_TOLERANCE else f"wrong at 2x{2 * group}x333: relative error {err:.2e}"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {str(exc)[:300]}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seqlens", default="2048,16384")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--causal", default="both", choices=["both", "true", "false"])
+    ap.add_argument("--workers", type=int, default=14)
+    ap.add_argument("--hang-s", type=float, default=120.0)
+    ap.add_argument("-o", "--output", default=None)
+    args = ap.parse_args()
+    seqlens = [int(x) for x in args.seqlens.split(",")]
+    causal = {"both": (False, True), "true": (True,), "false": (False,)}[args.causal]
+    gpu = cuda_gpu(0)
+    document = {
+        "gpu": gpu.name,
+        "triton": gpu.triton_version,
+        "torch": gpu.torch_version,
+        "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "results": [],
+    }
+    groups = prefill_suite(seqlens[:1], (args.head_dim,), causal)
+    jobs = [
+        (shape, v.to_json())
+        for shape in groups
+        for v in dict.fromkeys(
+            [prefill.FAMILY.default_variant(_problem(_sized(shape, n)), gpu) for n in seqlens]
+            + candidates(shape.head_dim, shape.causal)
+        )
+        if prefill.FAMILY.constraint(v, _problem(shape), gpu) is None
+    ]
+    print(f"{len(jobs)} kernels to build and check", flush=True)
+    checked = check_in_workers(_compile_and_check, jobs, args.workers, args.hang_s)
+    results = document["results"]
+
+    def write() -> None:
+        if args.output:
+            with open(args.output, "w") as fh:
+                json.dump(document, fh, indent=1)
+
+    for (shape, vj), note in zip(jobs, checked, strict=True):
+        if note:
+            results.append({"shape": shape.__dict__, "variant": json.loads(vj), "ms": None, "note": note})
+            print("FAILED", _label(json.loads(vj)), shape.causal, note, flush=True)
+    for shape0 in groups:
+        good = [
+            json.loads(vj) for (s, vj), note in zip(jobs, checked, strict=True) if s == shape0 and not note
+        ]
+        for n in seqlens:
+            shape = _sized(shape0, n)
+            flops = shape.problem("bfloat16").flops()
+            q, k, v, gen = _bf16(shape)
+            x = tunegen.quantize_fp8(q, k, v)
+            values = [fp8.dequantize(t, s, torch.float32) for t, s in zip(x[:3], x[3:], strict=True)]
+            scale = shape.head_dim**-0.5
+            row = {"shape": shape.__dict__}
+            calls = {
+                "quantize-fp8": (functools.partial(tunegen.quantize_fp8, q, k, v), None),
+                "tunegen-bf16": (
+                    functools.partial(tunegen.attention, q, k, v, causal=shape.causal),
+                    (q, k, v),
+                ),
+                "sdpa-cudnn": (functools.partial(peers.sdpa("sdpa-cudnn", shape.causal), q, k, v), (q, k, v)),
+            }
+            for name, (fn, check) in calls.items():
+                out = fn()
+                if check is not None:
+                    err = sampled_error(out, *check, causal=shape.causal, scale=scale, generator=gen)
+                    assert err < TOLERANCE["bfloat16"], (name, err)
+                ms = median_ms(fn, warmup_ms=25, rep_ms=200)
+                results.append(
+                    {**row, "impl": name, "ms": ms, "tflops": None if check is None else flops / ms / 1e9}
+                )
+            for vd in good:
+                variant = prefill.PrefillVariant(**vd)
+                kernel = base.build(prefill.FAMILY, variant, _problem(shape), gpu)
+                out = torch.full(q.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+                fn = functools.partial(kernel.launch, *x[:3], out, None, scale, *x[3:])
+                fn()
+                err = sampled_error(out, *values, causal=shape.causal, scale=scale, generator=gen)
+                ms = median_ms(fn, warmup_ms=25, rep_ms=200) if err < FP8_TOLERANCE else None
+                results.append(
+                    {
+                        **row,
+                        "variant": vd,
+                        "label": _label(vd),
+                        "ms": ms,
+                        "tflops": ms and flops / ms / 1e9,
+                        "error": err,
+                    }
+                )
+            torch.cuda.empty_cache()
+            write()
+            mine = [r for r in results if r.get("shape") == shape.__dict__ and r.get("tflops")]
+            base_tf = {r["impl"]: r["tflops"] for r in mine if "impl" in r}
+            print(
+                f"\nN={n} B={shape.batch} causal={shape.causal}: bf16 {base_tf.get('tunegen-bf16', 0):.0f} "
+                f"cuDNN {base_tf.get('sdpa-cudnn', 0):.0f} quantize "
+                f"{[r['ms'] for r in results if r.get('impl') == 'quantize-fp8'][-1] * 1e3:.0f} us",
+                flush=True,
+            )
+            for r in sorted((r for r in mine if "label" in r), key=lambda r: -r["tflops"])[:8]:
+                print(f"  {r['tflops']:6.0f}  {r['label']}", flush=True)
+    write()
+
+
+if __name__ == "__main__":
+    main()
