@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu_session.sh prefill      # both prefill schedules, ablation, bench, a profile
 #   bash benchmarks/gpu_session.sh launch       # host cost per call, decode defaults, decode bench
 #   bash benchmarks/gpu_session.sh backward     # backward tests, the knob sweep, bench with Flex
+#   bash benchmarks/gpu_session.sh fp8          # FP8 tests, the sweep, bench fp8 in short runs, accuracy
 set -uo pipefail
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
@@ -75,6 +76,22 @@ backward() {  # what benchmarks/results/backward_h100.md was measured with (issu
     step backward-sweep-d64-d256 python3 "$REPO/benchmarks/backward_defaults.py" --head-dims 64,256 \
         --seqlens 1024,4096,16384 -o "$OUT/backward_defaults_d64_d256.json"
     step bench-backward tunegen bench backward --seqlens 1024,2048,4096,8192,16384 -o "$OUT/backward.csv"
+}
+
+fp8() {  # what benchmarks/results/fp8_h100.md was measured with (issue 16), and what it still lacks
+    copy_tests
+    step fp8-tests python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider /tmp/tunegen-tests/test_fp8_quantize.py \
+        /tmp/tunegen-tests/test_fp8.py /tmp/tunegen-tests/test_prefill_ws.py /tmp/tunegen-tests/test_decode_fp8.py
+    (cd "$REPO/benchmarks" && step fp8-sweep-noncausal python3 fp8_defaults.py --seqlens 16384,2048 --causal false \
+        -o "$OUT/fp8_defaults_noncausal.json")
+    (cd "$REPO/benchmarks" && step fp8-sweep-causal python3 fp8_defaults.py --seqlens 4096,16384 --causal true \
+        -o "$OUT/fp8_defaults_causal.json")
+    # bench fp8 writes its JSON at the end: one length per run keeps each run inside a 600 s call.
+    for n in 2048 4096 8192 16384; do
+        PYTHONWARNINGS=ignore step "bench-fp8-$n" tunegen bench fp8 --seqlens $n --batches 64 --cache-lengths 32768 \
+            --page-sizes 0 -o "$OUT/fp8_bench_n$n.json"
+    done
+    step fp8-accuracy python3 "$REPO/benchmarks/fp8_accuracy.py" --seeds 3 -o "$OUT/fp8_accuracy_h100.json"
 }
 
 tune() {

@@ -234,6 +234,7 @@ def test_below_one_wave_of_tiles_the_default_is_fa2():
 # --- FP8 ------------------------------------------------------------------------------------
 
 FP8 = dataclasses.replace(PROBLEM, fp8=True, return_lse=True)
+FP8_LSE_TOL = 1.5e-2
 
 
 @pytest.mark.parametrize(
@@ -273,7 +274,11 @@ def _fp8_check(variant, x, causal, scale=0.3):
     out, lse = run_fp8(variant, x, causal=causal, scale=scale)
     ref, ref_lse = attention_reference(*dequantized(x), causal=causal, scale=scale)
     assert rel_err(out, ref) < P_E4M3_TOL
-    assert_lse(lse, ref_lse, torch.bfloat16)
+    # Hopper's e4m3 wgmma sums the scores in reduced precision (FlashAttention-3 runs it so too):
+    # the log-sum-exp measured 5e-3 off at head dim 128 (1.5e-3 at 64), beyond the 16-bit bound.
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), seen) and not lse.isnan().any()
+    assert float((lse.double() - ref_lse)[seen].abs().max()) < FP8_LSE_TOL
     return out
 
 

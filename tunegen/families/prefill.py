@@ -245,11 +245,12 @@ def _ws_constraint(variant: PrefillVariant, problem: Problem, gpu: Gpu) -> str |
 
 
 def _ws_default(problem: Problem, gpu: Gpu) -> PrefillVariant | None:
-    """The Hopper schedule's measured best per head dim, mask and length on an H100 (bf16;
-    benchmarks/results/prefill_ws_h100.md), or None where it does not run or FlashAttention-2's
-    loop measured faster: head dim 64, causal, up to 2048 tokens (by 2-3%), and Problems of less
-    than one wave of 128-row tiles, where the schedule's machinery buys nothing and its launch,
-    which encodes four TMA descriptors, costs twice FA2's (benchmarks/results/launch_h100.md)."""
+    """The Hopper schedule's measured best per head dim, mask and length on an H100 (bf16:
+    benchmarks/results/prefill_ws_h100.md; FP8: fp8_h100.md), or None where it does not run or
+    FlashAttention-2's loop measured faster: head dim 64, causal, up to 2048 tokens (by 2-3%), and
+    Problems of less than one wave of 128-row tiles, where the schedule's machinery buys nothing
+    and its launch, which encodes four TMA descriptors, costs twice FA2's
+    (benchmarks/results/launch_h100.md)."""
     try:
         _check_ws(problem, gpu)
     except ValueError:
@@ -259,6 +260,10 @@ def _ws_default(problem: Problem, gpu: Gpu) -> PrefillVariant | None:
     n = problem.seqlen_q
     two = PrefillVariant(schedule="ws", block_m=64, block_n=128, consumers=2, overlap=True)
     pair = two.replace(block_n=64, consumers=1, ctas_per_sm=2)  # two one-consumer programs per SM
+    if problem.fp8:  # benchmarks/results/fp8_h100.md (head dim 128; 64 takes the same, unmeasured)
+        if problem.causal:
+            return two.replace(overlap=False, order="grouped", reverse_m=True)
+        return two.replace(num_stages=3, persistent=True)
     if problem.head_dim == 128:
         if not problem.causal:
             return two.replace(persistent=True)
