@@ -20,7 +20,7 @@ import itertools
 import json
 
 import torch
-from prefill_defaults import WS, _label, _sized, check_in_workers
+from prefill_defaults import WS, _label, _sized, check_in_workers, ws_variant
 
 import tunegen
 from tunegen import fp8, peers
@@ -45,22 +45,8 @@ def candidates(head_dim: int, causal: bool) -> list[prefill.PrefillVariant]:
     out = [
         prefill.PrefillVariant(block_m=128, block_n=128, num_warps=8, num_stages=3, load="desc", v_trans=True)
     ]
-    for (bm, bn, s, c, pp, ov, ctas), (order, rev, persistent) in itertools.product(shapes, orders):
-        out.append(
-            prefill.PrefillVariant(
-                schedule="ws",
-                block_m=bm,
-                block_n=bn,
-                num_stages=s,
-                consumers=c,
-                pingpong=pp,
-                overlap=ov,
-                ctas_per_sm=ctas,
-                persistent=persistent,
-                order=order,
-                reverse_m=rev,
-            )
-        )
+    for tiles, (order, rev, persistent) in itertools.product(shapes, orders):
+        out.append(ws_variant(tiles, order, rev, persistent))
     return out
 
 

@@ -93,6 +93,25 @@ WS = {  # schedule "ws": block_m, block_n, num_stages, consumers, pingpong, over
 PEERS = ("sdpa-cudnn", "sdpa-flash")
 
 
+def ws_variant(tiles: tuple, order: str, reverse_m: bool, persistent: bool) -> prefill.PrefillVariant:
+    """A "ws" Variant from a WS row (block_m, block_n, num_stages, consumers, pingpong, overlap,
+    ctas_per_sm) and a program order."""
+    bm, bn, s, c, pp, ov, ctas = tiles
+    return prefill.PrefillVariant(
+        schedule="ws",
+        block_m=bm,
+        block_n=bn,
+        num_stages=s,
+        consumers=c,
+        pingpong=pp,
+        overlap=ov,
+        ctas_per_sm=ctas,
+        persistent=persistent,
+        order=order,
+        reverse_m=reverse_m,
+    )
+
+
 def candidates(head_dim: int, causal: bool, schedules: list[str]) -> list[prefill.PrefillVariant]:
     """The Variants tried per (head dim, causal): for "ws" each tile shape also persistent and, for
     causal, heaviest query blocks first within L2-sized groups of heads."""
@@ -107,24 +126,8 @@ def candidates(head_dim: int, causal: bool, schedules: list[str]) -> list[prefil
             )
     if "ws" in schedules and head_dim in WS:
         ws_orders = [("grouped", True), ("m_inner", False)] if causal else [("m_inner", False)]
-        for (bm, bn, s, c, pp, ov, ctas), (order, rev), persistent in itertools.product(
-            WS[head_dim], ws_orders, (False, True)
-        ):
-            out.append(
-                prefill.PrefillVariant(
-                    schedule="ws",
-                    block_m=bm,
-                    block_n=bn,
-                    num_stages=s,
-                    consumers=c,
-                    pingpong=pp,
-                    overlap=ov,
-                    ctas_per_sm=ctas,
-                    persistent=persistent,
-                    order=order,
-                    reverse_m=rev,
-                )
-            )
+        for tiles, (order, rev), persistent in itertools.product(WS[head_dim], ws_orders, (False, True)):
+            out.append(ws_variant(tiles, order, rev, persistent))
     return out
 
 
