@@ -124,19 +124,23 @@ def calibrate_kv(x: torch.Tensor, headroom: float) -> torch.Tensor:
     return _descale_of(x.float().abs().amax(dim=(1, 3)) * headroom)
 
 
-def k_major(x8: torch.Tensor) -> torch.Tensor:
-    """x8 (batch, heads, seqlen, head_dim) as a view of the same shape whose memory is K-major:
+def empty_k_major(shape: torch.Size | tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """An uninitialized e4m3 (batch, heads, seqlen, head_dim) tensor whose memory is K-major:
     (head_dim, seqlen) per head, rows padded to 16 bytes. Hopper's FP8 products read their right
     operand so (V in P·V), and `quantize_fp8` writes V so."""
-    b, h, n, d = x8.shape
-    out = torch.empty((b, h, d, -(-n // 16) * 16), device=x8.device, dtype=x8.dtype)
-    view = out[..., :n].transpose(2, 3)
+    b, h, n, d = shape
+    return torch.empty((b, h, d, -(-n // 16) * 16), device=device, dtype=E4M3)[..., :n].transpose(2, 3)
+
+
+def k_major(x8: torch.Tensor) -> torch.Tensor:
+    """e4m3 x8 (batch, heads, seqlen, head_dim) copied into `empty_k_major`'s layout."""
+    view = empty_k_major(x8.shape, x8.device)
     view.copy_(x8)
     return view
 
 
 def is_k_major(x: torch.Tensor) -> bool:
-    """Whether (batch, heads, seqlen, head_dim) x is laid out as `k_major` writes it: seqlen
+    """Whether (batch, heads, seqlen, head_dim) x is laid out as `empty_k_major` makes it: seqlen
     contiguous, each head_dim row starting 16 bytes after the last."""
     return x.stride(2) == 1 and (x.shape[3] == 1 or (x.stride(3) * x.element_size()) % 16 == 0)
 

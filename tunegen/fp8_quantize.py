@@ -34,7 +34,7 @@ class QuantizeVariant(Variant):
 @functools.cache
 def _module(dtype: str, head_dim: int, group: int, hadamard: bool, per_block: bool, gpu: Gpu) -> ModuleType:
     interpreted = gpu.backend == "interpreter"
-    features = {
+    features = {  # hadamard_block refuses, by name, head dims the rotation cannot take
         "head_dim": head_dim,
         "block_d": max(16, 1 << (head_dim - 1).bit_length()),
         "hadamard": fp8.hadamard_block(head_dim) if hadamard else 0,
@@ -85,12 +85,10 @@ def quantize_fp8(
 
 def outputs(q: torch.Tensor, k: torch.Tensor, *, per_block: bool) -> fp8.Fp8Inputs:
     """Uninitialized outputs of `quantize_fp8` for inputs shaped like q and k (v as k)."""
-    batch, heads_q, seqlen_q, head_dim = q.shape
+    batch, heads_q, seqlen_q = q.shape[:3]
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
     e4m3 = {"device": q.device, "dtype": fp8.E4M3}
     f32 = {"device": q.device, "dtype": torch.float32}
-    rows = -(-seqlen_k // 16) * 16  # V's K-major rows, padded to 16 bytes
-    v8 = torch.empty((batch, heads_kv, head_dim, rows), **e4m3)[..., :seqlen_k].transpose(2, 3)
     if per_block:
         q_descale = torch.empty(batch, heads_q, -(-seqlen_q // fp8.SCALE_BLOCK), **f32)
         k_descale = torch.empty(batch, heads_kv, -(-seqlen_k // fp8.SCALE_BLOCK), **f32)
@@ -99,7 +97,7 @@ def outputs(q: torch.Tensor, k: torch.Tensor, *, per_block: bool) -> fp8.Fp8Inpu
     return fp8.Fp8Inputs(
         torch.empty(q.shape, **e4m3),
         torch.empty(k.shape, **e4m3),
-        v8,
+        fp8.empty_k_major(k.shape, q.device),
         q_descale,
         k_descale,
         torch.empty(batch, heads_kv, **f32),
@@ -111,8 +109,6 @@ def quantize_into(
 ) -> None:
     """`quantize_fp8` by the fused kernel into `out`, laid out as `outputs` makes it (CUDA tensors,
     or CPU tensors under Triton's interpreter; q, k and v checked by the caller)."""
-    if hadamard:
-        fp8.hadamard_block(q.shape[-1])  # refuses head dims the rotation cannot take, by name
     batch, heads_q, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
     gpu = gpu_of(q.device)
