@@ -26,13 +26,13 @@ import sys
 import torch
 from prefill_defaults import _sized, check_in_workers
 
-from tunegen import peers
-from tunegen.bench import Shape, prefill_suite
-from tunegen.families import backward, base
-from tunegen.families.backward_case import backward_peer, grads_error, reference_backward
-from tunegen.gpu import cuda_gpu
-from tunegen.reference import TOLERANCE
-from tunegen.timing import median_ms
+from tunegen.kernels import peers
+from tunegen.kernels.families import backward, base
+from tunegen.kernels.families.backward_case import backward_peer, grads_error, reference_backward
+from tunegen.kernels.gpu import cuda_gpu
+from tunegen.kernels.reference import TOLERANCE
+from tunegen.measure.bench import Shape, prefill_suite
+from tunegen.tuning.timing import median_ms
 
 Variant = backward.BackwardVariant
 # Per head dim: the base every other candidate changes one or two knobs of, then the tiles tried

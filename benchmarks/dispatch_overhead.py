@@ -3,10 +3,10 @@ bare launch of the same compiled kernel, the bare launch at most 10 µs, eager p
 within 5% of its CUDA-graph time, eager decode at least as fast as cuDNN's eager call).
 
 Per case, microseconds per call, each the median of rounds of back-to-back calls closed by one
-synchronization (tunegen.timing.per_call_us):
+synchronization (tunegen.tuning.timing.per_call_us):
 - public: the public function (`tunegen.attention`, `tunegen.decode_attention`), outputs
   allocated, as a model calls it;
-- bound: the kernel's bound call (tunegen.launcher) on preallocated outputs;
+- bound: the kernel's bound call (tunegen.kernels.launcher) on preallocated outputs;
 - bare: the compiled kernels' own launchers (`CompiledKernel.run`) with every argument, grid and
   stream precomputed: the floor for a Python caller;
 - triton: Triton's generic `kernel[grid](...)` with the same arguments (the path before binding);
@@ -30,12 +30,12 @@ import torch
 import triton
 
 import tunegen
-from tunegen import dispatch, launcher, peers
-from tunegen.families import base, prefill
-from tunegen.gpu import cuda_gpu
-from tunegen.timing import per_call_us
+from tunegen.kernels import dispatch, launcher, peers
+from tunegen.kernels.families import base, prefill
+from tunegen.kernels.gpu import cuda_gpu
+from tunegen.tuning.timing import per_call_us
 
-# The Hopper schedule's defaults for these head dims (tunegen/families/prefill.py, _ws_default),
+# The Hopper schedule's defaults for these head dims (tunegen/kernels/families/prefill.py, _ws_default),
 # which the defaults leave to FA2 below one wave of tiles.
 TINY_WS = prefill.PrefillVariant(
     schedule="ws",

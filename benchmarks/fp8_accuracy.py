@@ -38,8 +38,8 @@ import torch
 import triton
 
 import tunegen
-from tunegen import fp8
-from tunegen.reference import causal_mask
+from tunegen.kernels import fp8
+from tunegen.kernels.reference import causal_mask
 
 TARGET_RATIO = 2.0
 OUTLIER_RATE, OUTLIER_STD = 1e-3, 10.0

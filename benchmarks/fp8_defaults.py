@@ -23,12 +23,12 @@ import torch
 from prefill_defaults import WS, _label, _sized, check_in_workers, ws_variant
 
 import tunegen
-from tunegen import fp8, peers
-from tunegen.bench import prefill_suite
-from tunegen.families import base, prefill
-from tunegen.gpu import cuda_gpu
-from tunegen.reference import TOLERANCE, attention_reference, sampled_error
-from tunegen.timing import median_ms
+from tunegen.kernels import fp8, peers
+from tunegen.kernels.families import base, prefill
+from tunegen.kernels.gpu import cuda_gpu
+from tunegen.kernels.reference import TOLERANCE, attention_reference, sampled_error
+from tunegen.measure.bench import prefill_suite
+from tunegen.tuning.timing import median_ms
 
 FP8_TOLERANCE = 3e-2  # P rounded to e4m3 before the second product (tests/test_fp8.py)
 

@@ -25,12 +25,12 @@ import sys
 
 import torch
 
-from tunegen import peers
-from tunegen.bench import Shape, prefill_suite
-from tunegen.families import base, prefill
-from tunegen.gpu import cuda_gpu
-from tunegen.reference import TOLERANCE, attention_reference, sampled_error
-from tunegen.timing import median_ms
+from tunegen.kernels import peers
+from tunegen.kernels.families import base, prefill
+from tunegen.kernels.gpu import cuda_gpu
+from tunegen.kernels.reference import TOLERANCE, attention_reference, sampled_error
+from tunegen.measure.bench import Shape, prefill_suite
+from tunegen.tuning.timing import median_ms
 
 TILES = {  # schedule "fa2": block_m, block_n, num_warps, num_stages
     64: [

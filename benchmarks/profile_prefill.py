@@ -12,10 +12,10 @@ import json
 
 import torch
 
-from tunegen import dispatch
-from tunegen.bench import prefill_suite
-from tunegen.families import base, prefill
-from tunegen.gpu import cuda_gpu
+from tunegen.kernels import dispatch
+from tunegen.kernels.families import base, prefill
+from tunegen.kernels.gpu import cuda_gpu
+from tunegen.measure.bench import prefill_suite
 
 
 def main() -> None:

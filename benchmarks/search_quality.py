@@ -23,12 +23,12 @@ import tempfile
 import optuna
 import torch
 
-from tunegen.families import base, get
-from tunegen.gpu import cuda_gpu
-from tunegen.problem import Problem
-from tunegen.trial import evaluate_task
-from tunegen.tuner import TuneOptions, Tuner, study_name
-from tunegen.workers import Worker
+from tunegen.kernels.families import base, get
+from tunegen.kernels.gpu import cuda_gpu
+from tunegen.kernels.problem import Problem
+from tunegen.tuning.trial import evaluate_task
+from tunegen.tuning.tuner import TuneOptions, Tuner, study_name
+from tunegen.tuning.workers import Worker
 
 PROBLEMS = {
     "d64": Problem("prefill", "bfloat16", 64, False, 32, 32, 4, 4096, 4096),

@@ -22,10 +22,10 @@ import json
 import subprocess
 from pathlib import Path
 
-from tunegen import families
-from tunegen.bench import Shape
-from tunegen.gpu import Gpu
-from tunegen.problem import Problem
+from tunegen.kernels import families
+from tunegen.kernels.gpu import Gpu
+from tunegen.kernels.problem import Problem
+from tunegen.measure.bench import Shape
 from tunegen.tuning_db.exchange import FORMAT, VERSION, parse_document
 
 H100 = {
@@ -39,7 +39,7 @@ H100 = {
 
 
 def template_hash_at(commit: str, template: str) -> str:
-    """tunegen.render.template_hash as it was at `commit` (the shared macros, then the template)."""
+    """tunegen.kernels.render.template_hash as it was at `commit` (the shared macros, then the template)."""
     names = subprocess.run(
         ["git", "ls-tree", "--name-only", commit, "templates/"], capture_output=True, text=True, check=True
     ).stdout.split()

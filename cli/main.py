@@ -65,10 +65,10 @@ def render(
     """Print the Triton source a Variant of FAMILY renders to."""
     import torch
 
-    from tunegen import families
-    from tunegen import render as rendering
-    from tunegen.gpu import Gpu, gpu_of
-    from tunegen.problem import Problem
+    from tunegen.kernels import families
+    from tunegen.kernels import render as rendering
+    from tunegen.kernels.gpu import Gpu, gpu_of
+    from tunegen.kernels.problem import Problem
 
     if gpu_kind == "auto":
         gpu = gpu_of(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
@@ -125,7 +125,7 @@ _SUITE_OPTIONS = (
 
 def _suite_options(command):
     """The FlashAttention papers' benchmark suite as options: dtype, lengths, head dims, causal,
-    tokens per batch, hidden size and KV heads (`tunegen.bench.prefill_suite`'s arguments)."""
+    tokens per batch, hidden size and KV heads (`tunegen.measure.bench.prefill_suite`'s arguments)."""
     for option in reversed(_SUITE_OPTIONS):
         command = option(command)
     return command
@@ -163,8 +163,8 @@ def bench_prefill(
     from rich.progress import Progress
     from rich.table import Table
 
-    from tunegen import bench as benchmarks
-    from tunegen import peers
+    from tunegen.kernels import peers
+    from tunegen.measure import bench as benchmarks
 
     if not torch.cuda.is_available():
         raise click.UsageError("bench needs a CUDA GPU: timings come from the GPU's clock")
@@ -207,7 +207,7 @@ def _db_option(command):
 @contextlib.contextmanager
 def _store(db_url, *, readonly):
     """Open the store; its errors and invalid input become clean command-line errors."""
-    from tunegen.database import open_store
+    from tunegen.kernels.database import open_store
     from tunegen.tuning_db import TuningDbError
 
     try:
@@ -257,7 +257,7 @@ def bench_decode(batches, cache_lengths, heads, kv_heads, head_dim, page_sizes, 
     import torch
     from rich.progress import Progress
 
-    from tunegen import bench as benchmarks
+    from tunegen.measure import bench as benchmarks
 
     if not torch.cuda.is_available():
         raise click.UsageError("bench needs a CUDA GPU: timings come from the GPU's clock")
@@ -311,8 +311,8 @@ def bench_backward(dtype, seqlens, head_dims, causal, tokens, hidden, kv_heads, 
     import torch
     from rich.progress import Progress
 
-    from tunegen import bench as benchmarks
-    from tunegen.presets import DTYPES
+    from tunegen.measure import bench as benchmarks
+    from tunegen.tuning.presets import DTYPES
 
     if not torch.cuda.is_available():
         raise click.UsageError("bench needs a CUDA GPU: timings come from the GPU's clock")
@@ -376,7 +376,7 @@ def bench_fp8(seqlens, causal, tokens, hidden, batches, cache_lengths, page_size
     from rich.progress import Progress
     from rich.table import Table
 
-    from tunegen import bench as benchmarks
+    from tunegen.measure import bench as benchmarks
 
     if not torch.cuda.is_available():
         raise click.UsageError("bench needs a CUDA GPU: timings come from the GPU's clock")
@@ -524,9 +524,9 @@ def tune(
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
     from rich.table import Table
 
-    from tunegen import presets
-    from tunegen.gpu import cuda_gpu, interpreter_gpu
-    from tunegen.tuner import TuneOptions, Tuner
+    from tunegen.kernels.gpu import cuda_gpu, interpreter_gpu
+    from tunegen.tuning import presets
+    from tunegen.tuning.tuner import TuneOptions, Tuner
     from tunegen.tuning_db import TuningDbError
 
     try:
@@ -624,7 +624,7 @@ def tune(
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
 def doctor(db_url: str | None, fmt: str) -> None:
     """The GPU, versions, database, winners for this GPU, stale ones, and dispatch's fallbacks."""
-    from tunegen.doctor import render_text, report
+    from tunegen.measure.doctor import render_text, report
 
     result = report(db_url)
     click.echo(json.dumps(result, indent=1) if fmt == "json" else render_text(result))
@@ -651,7 +651,7 @@ def memory(preset, layers, heads, kv_heads, head_dim, seqlen, batch, dtype, fmt)
     """KV-cache and attention memory: per token, per sequence, GQA/MQA savings, N x N vs tiled."""
     import dataclasses
 
-    from tunegen import memory as calc
+    from tunegen.measure import memory as calc
 
     if preset not in calc.MODELS:
         raise click.BadParameter(
@@ -688,7 +688,7 @@ def bench_all(output: Path) -> None:
     Variants beside the served ones, decode, backward, FP8), then the ceilings and the report."""
     import torch
 
-    from tunegen import peers
+    from tunegen.kernels import peers
 
     if not torch.cuda.is_available():
         raise click.UsageError("bench needs a CUDA GPU: timings come from the GPU's clock")
@@ -721,7 +721,7 @@ def bench_ceilings(output: Path | None) -> None:
     """The roofline's ceilings on this GPU: bf16 and fp8 matmul TFLOP/s, copy TB/s (read + write)."""
     import torch
 
-    from tunegen import ceilings
+    from tunegen.measure import ceilings
 
     if not torch.cuda.is_available():
         raise click.UsageError("bench needs a CUDA GPU: timings come from the GPU's clock")
@@ -753,7 +753,7 @@ def bench_ceilings(output: Path | None) -> None:
 )
 def report(results: tuple[Path, ...], output: Path, ceilings_path: Path | None) -> None:
     """An HTML page with plots from `tunegen bench` result files (CSV or JSON)."""
-    from tunegen import report as pages
+    from tunegen.measure import report as pages
 
     try:
         ceilings = pages.Ceilings.load(ceilings_path) if ceilings_path else None

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from tunegen.checks import is_aligned16
-from tunegen.families import base, prefill
-from tunegen.gpu import gpu_of
-from tunegen.problem import DTYPE_NAMES, Problem, bucket
+from tunegen.kernels.families import base, prefill
+from tunegen.kernels.gpu import gpu_of
+from tunegen.kernels.problem import DTYPE_NAMES, Problem, bucket
 
 # Relative error bounds ‖out − ref‖/‖ref‖ against float64, as tight as each dtype allows: the
 # probabilities are rounded to the input dtype before the second product, and so is the output.

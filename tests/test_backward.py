@@ -13,13 +13,13 @@ from test_varlen import packed
 
 import tunegen
 from helpers import randn
-from tunegen import dispatch
 from tunegen.backward import problem_for
-from tunegen.database import gpu_record
-from tunegen.families import backward, base, get
-from tunegen.gpu import Gpu, gpu_of, interpreter_gpu
-from tunegen.problem import Problem
-from tunegen.reference import TOLERANCE, attention_reference, attention_varlen_reference
+from tunegen.kernels import dispatch
+from tunegen.kernels.database import gpu_record
+from tunegen.kernels.families import backward, base, get
+from tunegen.kernels.gpu import Gpu, gpu_of, interpreter_gpu
+from tunegen.kernels.problem import Problem
+from tunegen.kernels.reference import TOLERANCE, attention_reference, attention_varlen_reference
 from tunegen.tuning_db import Store, WinnerRecord
 
 # ‖grad − ref‖/‖ref‖ of dq, dk and dv against float64: the products' inputs (P, dS) are rounded to
@@ -246,7 +246,7 @@ def test_fullgraph_compile_gradients():
 
 
 def dispatch_interprets() -> bool:
-    return tunegen.api.backend_for(torch.device("cpu")) == "interpreter"
+    return tunegen.eager.backend_for(torch.device("cpu")) == "interpreter"
 
 
 def test_backward_ops_pass_opcheck():
@@ -409,8 +409,8 @@ def test_command_line():
     suite is the prefill's, and `tunegen bench backward` needs a GPU."""
     from click.testing import CliRunner
 
-    from tunegen.bench import backward_suite
     from tunegen.cli.main import main
+    from tunegen.measure.bench import backward_suite
 
     result = CliRunner().invoke(main, ["render", "backward", "--head-dim", "80", "--causal", "--varlen"])
     assert result.exit_code == 0, result.output

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import tunegen
-from tunegen import bench
-from tunegen.reference import attention_reference
+from tunegen.kernels.reference import attention_reference
+from tunegen.measure import bench
 
 
 @pytest.mark.skipif(
@@ -17,9 +17,9 @@ from tunegen.reference import attention_reference
 )
 @pytest.mark.parametrize("causal", [False, True])
 def test_tunegen_default_runs_the_default_variant_and_is_right(causal, monkeypatch):
-    from tunegen.families import base, prefill
-    from tunegen.gpu import interpreter_gpu
-    from tunegen.problem import Problem
+    from tunegen.kernels.families import base, prefill
+    from tunegen.kernels.gpu import interpreter_gpu
+    from tunegen.kernels.problem import Problem
 
     built = []
     real_build = base.build
@@ -57,7 +57,7 @@ def test_bench_all_needs_a_gpu(tmp_path):
 def test_interleaved_timing_puts_every_call_in_every_position(monkeypatch):
     """GPU clocks drift under load, so each implementation is timed once first, once second, ...
     and reported by its median; a call's times never mix with another's."""
-    from tunegen import timing
+    from tunegen.tuning import timing
 
     order = []
     monkeypatch.setattr(timing, "median_ms", lambda fn, **_: order.append(fn.__name__) or fn())

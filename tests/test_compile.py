@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from tunegen.compiler import CompileJob, compile_many
-from tunegen.families import backward, decode, prefill
-from tunegen.gpu import Gpu
-from tunegen.problem import Problem
-from tunegen.render import render
+from tunegen.kernels.compiler import CompileJob, compile_many
+from tunegen.kernels.families import backward, decode, prefill
+from tunegen.kernels.gpu import Gpu
+from tunegen.kernels.problem import Problem
+from tunegen.kernels.render import render
 
 TARGETS = {
     "hopper": Gpu("H100", (9, 0), 132, 232448, "3.6.0", "", "cuda"),

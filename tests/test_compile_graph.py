@@ -9,7 +9,7 @@ import torch
 
 import tunegen
 from helpers import REL_TOL, assert_lse, rel_err
-from tunegen.reference import attention_reference, attention_varlen_reference
+from tunegen.kernels.reference import attention_reference, attention_varlen_reference
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="CPU kernels need the interpreter"

@@ -9,9 +9,9 @@ import torch
 
 import tunegen
 from helpers import REL_TOL, assert_lse, rel_err
-from tunegen.families import base, decode
-from tunegen.gpu import gpu_of
-from tunegen.reference import attention_reference
+from tunegen.kernels.families import base, decode
+from tunegen.kernels.gpu import gpu_of
+from tunegen.kernels.reference import attention_reference
 
 
 def make_cache(batch, hkv, d, lengths, capacity, page, dtype, device, gen):

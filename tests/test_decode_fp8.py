@@ -12,12 +12,12 @@ from test_decode import gathered, make_cache, reference
 
 import tunegen
 from helpers import REL_TOL, assert_lse, rel_err
-from tunegen import fp8
 from tunegen.decode import _problem
-from tunegen.families import base, decode
-from tunegen.gpu import gpu_of
-from tunegen.problem import Problem
-from tunegen.reference import TOLERANCE, attention_reference, tolerance
+from tunegen.kernels import fp8
+from tunegen.kernels.families import base, decode
+from tunegen.kernels.gpu import gpu_of
+from tunegen.kernels.problem import Problem
+from tunegen.kernels.reference import TOLERANCE, attention_reference, tolerance
 
 
 def rows_of(table, b):

@@ -12,11 +12,11 @@ import torch
 
 import tunegen
 from helpers import REL_TOL, rel_err
-from tunegen import dispatch
-from tunegen.database import gpu_record
-from tunegen.families.prefill import PrefillVariant
-from tunegen.gpu import interpreter_gpu
-from tunegen.reference import attention_reference
+from tunegen.kernels import dispatch
+from tunegen.kernels.database import gpu_record
+from tunegen.kernels.families.prefill import PrefillVariant
+from tunegen.kernels.gpu import interpreter_gpu
+from tunegen.kernels.reference import attention_reference
 from tunegen.tuning_db import Store, WinnerRecord
 
 
@@ -181,10 +181,10 @@ def test_the_shipped_h100_winners_are_served_and_valid(tmp_path, monkeypatch):
     """Every shipped Winner parses, passes its family's checks on the GPU it was tuned on, and is
     what a lookup for its Problem on that GPU finds when the user's database is empty. (The H100
     table holds none today: its defaults are the measured best; see its provenance.)"""
-    from tunegen.database import winners_for
-    from tunegen.families import get
-    from tunegen.gpu import Gpu
-    from tunegen.problem import Problem
+    from tunegen.kernels.database import winners_for
+    from tunegen.kernels.families import get
+    from tunegen.kernels.gpu import Gpu
+    from tunegen.kernels.problem import Problem
     from tunegen.tuning_db import shipped_store
 
     monkeypatch.setenv("TUNEGEN_DB", f"sqlite:///{tmp_path / 'empty.db'}")

@@ -7,9 +7,9 @@ import json
 from click.testing import CliRunner
 
 from tunegen.cli.main import main
-from tunegen.database import gpu_record
-from tunegen.doctor import current_gpu
-from tunegen.presets import PRESETS, problems
+from tunegen.kernels.database import gpu_record
+from tunegen.measure.doctor import current_gpu
+from tunegen.tuning.presets import PRESETS, problems
 from tunegen.tuning_db import Store, WinnerRecord
 
 

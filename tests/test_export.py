@@ -25,14 +25,15 @@ from conftest import NEEDS_GPU
 
 import tunegen
 from helpers import REL_TOL, assert_lse, rel_err
-from tunegen import decode, dispatch
+from tunegen import decode
 from tunegen.cli.main import main
-from tunegen.database import gpu_record
-from tunegen.families.decode import DecodeVariant
-from tunegen.families.prefill import PrefillVariant
-from tunegen.gpu import cuda_gpu, interpreter_gpu
-from tunegen.problem import Problem
-from tunegen.reference import attention_reference, attention_varlen_reference
+from tunegen.kernels import dispatch
+from tunegen.kernels.database import gpu_record
+from tunegen.kernels.families.decode import DecodeVariant
+from tunegen.kernels.families.prefill import PrefillVariant
+from tunegen.kernels.gpu import cuda_gpu, interpreter_gpu
+from tunegen.kernels.problem import Problem
+from tunegen.kernels.reference import attention_reference, attention_varlen_reference
 from tunegen.tuning_db import GpuRecord, Store, WinnerRecord
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -12,11 +12,12 @@ import torch
 
 import tunegen
 from helpers import LSE_TOL, assert_lse, rel_err
-from tunegen import bench, fp8
-from tunegen.families import base, prefill
-from tunegen.gpu import Gpu, gpu_of
-from tunegen.problem import Problem, bucket
-from tunegen.reference import FP8_TOLERANCE, attention_reference, tolerance
+from tunegen.kernels import fp8
+from tunegen.kernels.families import base, prefill
+from tunegen.kernels.gpu import Gpu, gpu_of
+from tunegen.kernels.problem import Problem, bucket
+from tunegen.kernels.reference import FP8_TOLERANCE, attention_reference, tolerance
+from tunegen.measure import bench
 
 # P is rounded to e4m3 before the second product (about 2% on these inputs); bf16 P is ~0.5%.
 P_E4M3_TOL, P_BF16_TOL = 3e-2, 1e-2

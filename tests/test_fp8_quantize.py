@@ -1,5 +1,5 @@
 """The fused rotate-and-quantize kernel behind `tunegen.quantize_fp8` against its PyTorch reference
-(`tunegen.fp8.quantize_reference`, itself checked against float64 in test_fp8.py): every output
+(`tunegen.kernels.fp8.quantize_reference`, itself checked against float64 in test_fp8.py): every output
 element and descale, into outputs poisoned first, at ragged lengths, GQA, head dims that are not
 powers of two, both scale layouts, with and without the rotation; V's K-major layout as the
 attention kernels take it; the refusals."""
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import tunegen
-from tunegen import fp8, fp8_quantize
-from tunegen.reference import attention_reference
+from tunegen.kernels import fp8, quantize
+from tunegen.kernels.reference import attention_reference
 
 SHAPES = [  # batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim
     (2, 4, 2, 200, 333, 64),
@@ -31,7 +31,7 @@ def inputs(shape, dtype, device, seed):
 
 
 def poisoned(q, k, per_block):
-    out = fp8_quantize.outputs(q, k, per_block=per_block)
+    out = quantize.outputs(q, k, per_block=per_block)
     for t in out[:3]:
         t.view(torch.uint8).fill_(0x7F)  # e4m3fn's NaN
     for t in out[3:]:
@@ -62,7 +62,7 @@ def assert_matches_reference(x: fp8.Fp8Inputs, ref: fp8.Fp8Inputs, *, exact: boo
 def test_kernel_writes_what_the_reference_computes(device, shape, dtype, hadamard, per_block):
     q, k, v = inputs(shape, dtype, device, seed=sum(shape))
     out = poisoned(q, k, per_block)
-    fp8_quantize.quantize_into(q, k, v, out, hadamard=hadamard, per_block=per_block)
+    quantize.quantize_into(q, k, v, out, hadamard=hadamard, per_block=per_block)
     ref = fp8.quantize_reference(q.cpu(), k.cpu(), v.cpu(), hadamard=hadamard, per_block=per_block)
     # The rotation sums in another order than torch.matmul (on a GPU, float32 in TF32, and it
     # divides approximately), which moves an e4m3 rounding now and then.

@@ -7,7 +7,7 @@ import torch
 
 import tunegen
 from helpers import REL_TOL, rel_err
-from tunegen.reference import attention_reference
+from tunegen.kernels.reference import attention_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 
@@ -42,7 +42,7 @@ def test_cuda_graph_capture_and_replay(varlen):
 
 
 def test_the_fast_path_serves_repeat_calls_and_keeps_them_correct():
-    from tunegen import dispatch
+    from tunegen.kernels import dispatch
 
     dispatch.forget()
     gen = torch.Generator().manual_seed(32)

@@ -8,7 +8,7 @@ import torch
 
 import tunegen
 from helpers import REL_TOL, rel_err
-from tunegen.reference import attention_reference
+from tunegen.kernels.reference import attention_reference
 
 
 @pytest.mark.parametrize("page_size", [None, 16, 32])

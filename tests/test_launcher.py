@@ -12,7 +12,7 @@ import triton.language as tl
 from conftest import NEEDS_GPU, NEEDS_INTERPRETER
 
 import tunegen
-from tunegen import dispatch, launcher
+from tunegen.kernels import dispatch, launcher
 
 
 @triton.jit

@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from tunegen.cli.main import main
-from tunegen.memory import MODELS, report
+from tunegen.measure.memory import MODELS, report
 
 
 def test_llama2_70b_numbers():

@@ -67,7 +67,7 @@ def test_wheel_installs_and_runs_elsewhere(tmp_path):
     assert "render" in help_text and "bench" in help_text
     probe = (
         "import tunegen, tunegen.cli, tunegen.tuning_db, tunegen.templates, sys;"
-        "from tunegen.render import template_dir;"
+        "from tunegen.kernels.render import template_dir;"
         "print(tunegen.__file__); print(sorted(p.name for p in template_dir().glob('*.j2')))"
     )
     out = subprocess.run(
@@ -100,7 +100,7 @@ def test_a_clone_runs_as_installed_without_installing(tmp_path):
     shutil.copy(ROOT / "pyproject.toml", clone)
     code = (
         "import tunegen, tunegen.tuning_db, tunegen.cli.main\n"
-        "from tunegen.render import template_dir\n"
+        "from tunegen.kernels.render import template_dir\n"
         "from tunegen.tuning_db import load_shipped\n"
         "load_shipped()\n"
         "print(tunegen.tuning_db.__file__, template_dir(), sep='\\n')\n"

@@ -7,8 +7,8 @@ import torch
 
 import tunegen
 from helpers import DTYPES, REL_TOL, assert_lse, randn, rel_err, run_variant
-from tunegen.families.prefill import PrefillVariant
-from tunegen.reference import attention_reference
+from tunegen.kernels.families.prefill import PrefillVariant
+from tunegen.kernels.reference import attention_reference
 
 SMALL = PrefillVariant(block_m=32, block_n=16, num_warps=4, num_stages=1)
 

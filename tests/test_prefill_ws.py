@@ -14,10 +14,10 @@ from conftest import HAS_CUDA, INTERPRETING
 
 import tunegen
 from helpers import REL_TOL, assert_lse, randn, rel_err, run_variant
-from tunegen.families import base, prefill
-from tunegen.gpu import Gpu, interpreter_gpu
-from tunegen.problem import Problem
-from tunegen.reference import attention_reference
+from tunegen.kernels.families import base, prefill
+from tunegen.kernels.gpu import Gpu, interpreter_gpu
+from tunegen.kernels.problem import Problem
+from tunegen.kernels.reference import attention_reference
 
 WS = prefill.PrefillVariant(
     schedule="ws", block_m=64, block_n=128, num_stages=2, consumers=2, pingpong=True, overlap=True

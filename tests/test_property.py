@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 import tunegen
 from helpers import REL_TOL, assert_lse, rel_err
-from tunegen.reference import attention_reference
+from tunegen.kernels.reference import attention_reference
 
 
 @st.composite

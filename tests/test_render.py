@@ -8,10 +8,10 @@ import pytest
 from click.testing import CliRunner
 
 from tunegen.cli.main import main
-from tunegen.families import prefill
-from tunegen.gpu import Gpu
-from tunegen.problem import Problem
-from tunegen.render import cache_dir, load, render, template_hash
+from tunegen.kernels.families import prefill
+from tunegen.kernels.gpu import Gpu
+from tunegen.kernels.problem import Problem
+from tunegen.kernels.render import cache_dir, load, render, template_hash
 
 HOPPER = Gpu("H100", (9, 0), 132, 232448, "3.6.0", "2.11", "cuda")
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from tunegen import report
 from tunegen.cli.main import main
+from tunegen.measure import report
 
 PROVENANCE = {"gpu": "NVIDIA H100 80GB HBM3", "triton": "3.6.0", "torch": "2.11.0", "date": "2026-11-22"}
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -8,8 +8,8 @@ import torch
 
 import tunegen
 from helpers import REL_TOL, rel_err
-from tunegen.api import backend_for
-from tunegen.reference import attention_reference, attention_varlen_reference
+from tunegen.eager import backend_for
+from tunegen.kernels.reference import attention_reference, attention_varlen_reference
 
 
 def _qkv():

@@ -13,14 +13,14 @@ import pytest
 from click.testing import CliRunner
 
 from tunegen.cli.main import main
-from tunegen.database import gpu_record
-from tunegen.families import prefill
-from tunegen.gpu import interpreter_gpu
-from tunegen.presets import dry_run, parse_shape, preset, problems
-from tunegen.reference import TOLERANCE
-from tunegen.tuner import TuneOptions, Tuner, make_sampler, study_name
+from tunegen.kernels.database import gpu_record
+from tunegen.kernels.families import prefill
+from tunegen.kernels.gpu import interpreter_gpu
+from tunegen.kernels.reference import TOLERANCE
+from tunegen.tuning.presets import dry_run, parse_shape, preset, problems
+from tunegen.tuning.tuner import TuneOptions, Tuner, make_sampler, study_name
+from tunegen.tuning.workers import Worker, WorkerPool
 from tunegen.tuning_db import FailureRecord, Store
-from tunegen.workers import Worker, WorkerPool
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET", "0") != "1", reason="tuner tests run kernels under the interpreter"
@@ -71,7 +71,7 @@ def test_search_space_respects_constraints():
     assert space["reverse_m"] == [False] and space["order"] == ["m_inner"]
     causal = dataclasses.replace(PROBLEM, causal=True)
     assert prefill.FAMILY.search_space(causal, GPU)["reverse_m"] == [False, True]
-    from tunegen.gpu import Gpu
+    from tunegen.kernels.gpu import Gpu
 
     h100 = Gpu("H100", (9, 0), 132, 232448, "3.6.0", "2.11", "cuda")
     big = dataclasses.replace(PROBLEM, head_dim=256, batch=1, seqlen_q=4096, seqlen_k=4096)

@@ -377,9 +377,9 @@ def test_cli_list_show_export_import_upgrade(url, tmp_path):
 
 
 def test_lookups_see_the_users_database_first_then_the_shipped_one(tmp_path, monkeypatch):
-    from tunegen import database
-    from tunegen.gpu import Gpu
-    from tunegen.problem import Problem
+    from tunegen.kernels import database
+    from tunegen.kernels.gpu import Gpu
+    from tunegen.kernels.problem import Problem
 
     gpu = Gpu("NVIDIA H100 80GB HBM3", (9, 0), 132, 232448, "3.6.0", "2.11.0", "cuda")
     problem = Problem("prefill", "bfloat16", 128, True, 32, 8, 4, 4096, 4096)

@@ -7,8 +7,8 @@ import torch
 
 import tunegen
 from helpers import DTYPES, REL_TOL, assert_lse, randn, rel_err, run_variant
-from tunegen.families.prefill import PrefillVariant
-from tunegen.reference import attention_varlen_reference
+from tunegen.kernels.families.prefill import PrefillVariant
+from tunegen.kernels.reference import attention_varlen_reference
 
 
 def packed(lengths_q, lengths_k, hq, hkv, d, dtype, device, seed):

@@ -10,12 +10,12 @@ import tunegen.source_tree  # first: a clone run without installing finds its ro
 
 # isort: split
 import tunegen.ops  # noqa: F401  (registers torch.ops.tunegen.*)
-from tunegen.api import FallbackError, attention, attention_varlen, explain
+from tunegen.api import attention, attention_varlen, explain
 from tunegen.decode import decode_attention
+from tunegen.eager import FallbackError
 from tunegen.fp8_quantize import quantize_fp8
 from tunegen.kvcache import KVCache
-
-__version__ = "0.1.0"
+from tunegen.version import __version__
 
 __all__ = [
     "FallbackError",

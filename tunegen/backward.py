@@ -13,10 +13,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from tunegen import api, checks, dispatch
-from tunegen.gpu import gpu_of
-from tunegen.problem import DTYPE_NAMES, Problem, bucket
-from tunegen.reference import attention_reference, attention_varlen_reference
+from tunegen import checks, eager
+from tunegen.kernels import dispatch
+from tunegen.kernels.gpu import gpu_of
+from tunegen.kernels.problem import DTYPE_NAMES, Problem, bucket
+from tunegen.kernels.reference import attention_reference, attention_varlen_reference
 
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -74,7 +75,7 @@ def _reference_grads(
     """Differentiate the PyTorch reference (float32 compute) at `inputs`: the fallback's backward."""
     with torch.enable_grad():
         leaves = [t.detach().requires_grad_() for t in inputs]
-        out, lse = forward(*leaves, compute_dtype=api.fallback_dtype(leaves[0].dtype))
+        out, lse = forward(*leaves, compute_dtype=eager.fallback_dtype(leaves[0].dtype))
         pairs = [(o, g) for o, g in ((out.to(leaves[0].dtype), dout), (lse.float(), dlse)) if g is not None]
         dq, dk, dv = torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs])
     return dq, dk, dv
@@ -94,7 +95,7 @@ def _grads(
     lse) = `inputs`, or where no Triton kernel runs, autograd through `reference`."""
     q, k, v, out, lse = inputs
     dout, dlse = _check_grads(dout, dlse, out, lse)
-    if api.backend_for(q.device, strict) == "torch":
+    if eager.backend_for(q.device, strict) == "torch":
         return _reference_grads(reference, (q, k, v), dout, dlse)
     if not descriptor_ready(q, k, v, dout):
         problem = dataclasses.replace(problem, aligned=False)
@@ -159,7 +160,7 @@ class AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, strict):
-        out, lse = api.attention_eager(q, k, v, causal=causal, scale=scale, return_lse=True, strict=strict)
+        out, lse = eager.attention_eager(q, k, v, causal=causal, scale=scale, return_lse=True, strict=strict)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.scale, ctx.strict = causal, checks.check_scale(scale, q.shape[-1]), strict
         ctx.set_materialize_grads(False)
@@ -180,7 +181,7 @@ class AttentionVarlenFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, strict):
         sizes = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        out, lse = api.attention_varlen_eager(
+        out, lse = eager.attention_varlen_eager(
             q, k, v, *sizes, causal=causal, scale=scale, return_lse=True, strict=strict
         )
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)

@@ -9,7 +9,7 @@ from collections.abc import Collection
 
 import torch
 
-from tunegen.problem import DTYPE_NAMES
+from tunegen.kernels.problem import DTYPE_NAMES
 
 MAX_HEAD_DIM = 256
 

@@ -7,11 +7,12 @@ import os
 
 import torch
 
-from tunegen import checks, dispatch, fp8, launcher
-from tunegen.api import backend_for
-from tunegen.gpu import gpu_of
-from tunegen.problem import DTYPE_NAMES, Problem, bucket
-from tunegen.reference import attention_reference
+from tunegen import checks
+from tunegen.eager import backend_for
+from tunegen.kernels import dispatch, fp8, launcher
+from tunegen.kernels.gpu import gpu_of
+from tunegen.kernels.problem import DTYPE_NAMES, Problem, bucket
+from tunegen.kernels.reference import attention_reference
 
 MAX_QUERY_TOKENS = 16
 

@@ -7,10 +7,12 @@ from collections.abc import Sequence
 
 import torch
 
-from tunegen import checks, dispatch, fp8, fp8_quantize
-from tunegen.gpu import gpu_of
-from tunegen.problem import Problem, bucket
-from tunegen.reference import attention_reference
+from tunegen import checks, fp8_quantize
+from tunegen.eager import backend_for
+from tunegen.kernels import dispatch, fp8
+from tunegen.kernels.gpu import gpu_of
+from tunegen.kernels.problem import Problem, bucket
+from tunegen.kernels.reference import attention_reference
 
 PRECISIONS = (None, "fp8")
 DESCALE_NAMES = ("q_descale", "k_descale", "v_descale")
@@ -89,8 +91,6 @@ def attention_fp8(
     descales: Sequence[torch.Tensor | None],
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`tunegen.attention` for FP8 calls: check, quantize if needed, dispatch the fp8 Problem."""
-    from tunegen.api import backend_for  # tunegen.api routes FP8 calls here
-
     x, out_dtype = _inputs(q, k, v, precision, hadamard, descales)
     scale = checks.check_scale(scale, q.shape[-1])
     if backend_for(q.device, strict) == "torch":

@@ -11,8 +11,8 @@ import dataclasses
 
 import torch
 
-from tunegen import fp8
 from tunegen.decode import check_decode, decode_attention
+from tunegen.kernels import fp8
 
 # An FP8 cache's scales let values reach this multiple of the largest magnitude in a sequence's
 # first append before they saturate at e4m3's ±448.

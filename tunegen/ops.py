@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from tunegen import api, backward
+from tunegen import backward, eager
 
 
 @torch.library.custom_op("tunegen::attention", mutates_args=())
@@ -15,8 +15,8 @@ def attention_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """attention(); the log-sum-exp is a 0-element tensor unless asked for."""
     if return_lse:
-        return api.attention_eager(q, k, v, causal=causal, scale=scale, return_lse=True)
-    out = api.attention_eager(q, k, v, causal=causal, scale=scale)
+        return eager.attention_eager(q, k, v, causal=causal, scale=scale, return_lse=True)
+    out = eager.attention_eager(q, k, v, causal=causal, scale=scale)
     return out, q.new_empty(0, dtype=torch.float32)
 
 
@@ -42,8 +42,8 @@ def attention_varlen_op(
     """attention_varlen(); the log-sum-exp is a 0-element tensor unless asked for."""
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if return_lse:
-        return api.attention_varlen_eager(*args, causal=causal, scale=scale, return_lse=True)
-    out = api.attention_varlen_eager(*args, causal=causal, scale=scale)
+        return eager.attention_varlen_eager(*args, causal=causal, scale=scale, return_lse=True)
+    out = eager.attention_varlen_eager(*args, causal=causal, scale=scale)
     return out, q.new_empty(0, dtype=torch.float32)
 
 

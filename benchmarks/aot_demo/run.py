@@ -40,10 +40,10 @@ DTYPE_MACROS = {"float16": "TUNEGEN_FP16", "bfloat16": "TUNEGEN_BF16", "float32"
 
 def demo_winner(url: str, gpu) -> None:
     """Record this GPU's default prefill Variant (pointer loads) for the demo Problem in `url`."""
-    from tunegen.database import gpu_record
-    from tunegen.families import prefill
-    from tunegen.problem import Problem
-    from tunegen.render import template_hash
+    from tunegen.kernels.database import gpu_record
+    from tunegen.kernels.families import prefill
+    from tunegen.kernels.problem import Problem
+    from tunegen.kernels.render import template_hash
     from tunegen.tuning_db import Store, WinnerRecord
 
     problem = Problem("prefill", "float16", 64, True, 8, 2, 2, 512, 512)
@@ -78,8 +78,8 @@ def pick(manifest: dict) -> tuple[dict, dict]:
 
 def write_inputs(problem: dict, folder: Path, seed: int = 0) -> tuple[list[int], float]:
     """Random q, k, v of the Problem's features at ragged lengths, and their float64 reference."""
-    from tunegen.problem import TORCH_DTYPES
-    from tunegen.reference import attention_reference
+    from tunegen.kernels.problem import TORCH_DTYPES
+    from tunegen.kernels.reference import attention_reference
 
     dtype = TORCH_DTYPES[problem["dtype"]]
     batch, hq, hkv, d = 2, problem["num_heads_q"], problem["num_heads_kv"], problem["head_dim"]
@@ -142,7 +142,7 @@ def main() -> None:
     parser.add_argument("--db", default=None, help="Use this database's Winners (default: a demo Winner).")
     parser.add_argument("--offline", action="store_true", help="No GPU: export for an H100, build only.")
     args = parser.parse_args()
-    from tunegen.gpu import Gpu, cuda_gpu
+    from tunegen.kernels.gpu import Gpu, cuda_gpu
 
     if args.offline:
         gpu = Gpu("NVIDIA H100 80GB HBM3", (9, 0), 132, 232448, triton.__version__, torch.__version__, "cuda")
@@ -192,8 +192,8 @@ def main() -> None:
 
 def check(folder: Path, problem: dict, output: str, url: str) -> None:
     """Judge the C outputs against float64 and compare them with tunegen.attention on the GPU."""
-    from tunegen.problem import TORCH_DTYPES
-    from tunegen.reference import TOLERANCE
+    from tunegen.kernels.problem import TORCH_DTYPES
+    from tunegen.kernels.reference import TOLERANCE
 
     tolerance = TOLERANCE[problem["dtype"]]
     errors = [

@@ -26,11 +26,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tunegen.compiler import TRITON_DTYPES
 from tunegen.export.folders import staged
 from tunegen.export.provenance import provenance
 from tunegen.export.selection import Selected, Selection, Skipped
-from tunegen.render import interpreting
+from tunegen.kernels.compiler import TRITON_DTYPES
+from tunegen.kernels.render import interpreting
 
 FORMAT = "tunegen-aot"
 VERSION = 1

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tunegen.export.provenance import provenance
 from tunegen.export.selection import no_winners, wanted_families
-from tunegen.families import get
+from tunegen.kernels.families import get
 from tunegen.tuning_db import Store, export_documents, parse_document
 
 

@@ -12,9 +12,9 @@ from typing import Any
 import torch
 import triton
 
-import tunegen
-from tunegen.render import template_hash
+from tunegen.kernels.render import template_hash
 from tunegen.tuning_db import WinnerRecord
+from tunegen.version import __version__
 
 FORMAT = "tunegen-export"
 VERSION = 1
@@ -28,7 +28,7 @@ def provenance(kind: str, winners: Sequence[WinnerRecord], templates: Iterable[s
         "format": FORMAT,
         "version": VERSION,
         "kind": kind,
-        "tunegen_version": tunegen.__version__,
+        "tunegen_version": __version__,
         "exported_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "exported_with": {
             "triton": triton.__version__,

@@ -11,43 +11,43 @@ import keyword
 from pathlib import Path
 from typing import Any
 
-import tunegen
 from tunegen.export.folders import staged
 from tunegen.export.provenance import provenance
 from tunegen.export.selection import Selected, Selection, Skipped
 from tunegen.export.vendor import stem, vendor
-from tunegen.render import render_text
+from tunegen.kernels.render import render_text
+from tunegen.version import __version__
 
 LOADER_TEMPLATE = "export_package/__init__.py.j2"
 SERVED = ("prefill", "decode")
 
 # What the loader uses from tunegen: (module, name, the name the loader calls it).
 LIBRARY = (
-    ("tunegen.api", "FallbackError", "FallbackError"),
-    ("tunegen.api", "fallback_dtype", "fallback_dtype"),
-    ("tunegen.api", "_problem", "attention_problem"),
-    ("tunegen.api", "_problem_varlen", "varlen_problem"),
-    ("tunegen.api", "backend_for", "backend_for"),
+    ("tunegen.eager", "FallbackError", "FallbackError"),
+    ("tunegen.eager", "fallback_dtype", "fallback_dtype"),
+    ("tunegen.eager", "attention_problem", "attention_problem"),
+    ("tunegen.eager", "varlen_problem", "varlen_problem"),
+    ("tunegen.eager", "backend_for", "backend_for"),
     ("tunegen.checks", "check_attention", "check_attention"),
     ("tunegen.checks", "check_attention_varlen", "check_attention_varlen"),
     ("tunegen.checks", "check_scale", "check_scale"),
-    ("tunegen.database", "gpu_record", "gpu_record"),
-    ("tunegen.dispatch", "NEAREST_MAX_DISTANCE", "NEAREST_MAX_DISTANCE"),
-    ("tunegen.dispatch", "StaleWinnerWarning", "StaleWinnerWarning"),
-    ("tunegen.dispatch", "_distance", "distance"),
-    ("tunegen.gpu", "Gpu", "Gpu"),
-    ("tunegen.gpu", "gpu_of", "gpu_of"),
-    ("tunegen.problem", "Problem", "Problem"),
-    ("tunegen.reference", "attention_reference", "attention_reference"),
-    ("tunegen.reference", "attention_varlen_reference", "attention_varlen_reference"),
-    ("tunegen.render", "interpreting", "interpreting"),
+    ("tunegen.kernels.database", "gpu_record", "gpu_record"),
+    ("tunegen.kernels.dispatch", "NEAREST_MAX_DISTANCE", "NEAREST_MAX_DISTANCE"),
+    ("tunegen.kernels.dispatch", "StaleWinnerWarning", "StaleWinnerWarning"),
+    ("tunegen.kernels.dispatch", "_distance", "distance"),
+    ("tunegen.kernels.gpu", "Gpu", "Gpu"),
+    ("tunegen.kernels.gpu", "gpu_of", "gpu_of"),
+    ("tunegen.kernels.problem", "Problem", "Problem"),
+    ("tunegen.kernels.reference", "attention_reference", "attention_reference"),
+    ("tunegen.kernels.reference", "attention_varlen_reference", "attention_varlen_reference"),
+    ("tunegen.kernels.render", "interpreting", "interpreting"),
     ("tunegen.tuning_db.records", "GpuRecord", "GpuRecord"),
     ("tunegen.tuning_db.records", "features_key", "features_key"),
 )
 # The launcher the kernels import (templates/_attention.j2, launcher_import), which the package
 # carries as _tunegen/launcher.py.
-KERNEL_IMPORT = "from tunegen import launcher\n"
-LAUNCHER = ("tunegen.launcher", ("bound", "key_of", "memoized", "rebased", "stream_of"))
+KERNEL_IMPORT = "from tunegen.kernels import launcher\n"
+LAUNCHER = ("tunegen.kernels.launcher", ("bound", "key_of", "memoized", "rebased", "stream_of"))
 DECODE_LIBRARY = (
     ("tunegen.decode", "checking", "checking"),
     ("tunegen.decode", "_problem", "decode_problem"),
@@ -111,7 +111,7 @@ def write_package(selection: Selection, output: Path, package: str) -> tuple[Pat
         raise ValueError(f"no winners to export: the exported loader serves {' and '.join(SERVED)}")
     families = sorted({s.winner.family for s in served})
     library = LIBRARY + (DECODE_LIBRARY if "decode" in families else ())
-    header = f"Written by `tunegen export` (tunegen {tunegen.__version__}); regenerate rather than edit."
+    header = f"Written by `tunegen export` (tunegen {__version__}); regenerate rather than edit."
     info = provenance("python", [s.winner for s in served], [LOADER_TEMPLATE, *(s.template for s in served)])
     files = {
         "__init__.py": render_text(

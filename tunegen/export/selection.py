@@ -9,14 +9,14 @@ from collections.abc import Sequence
 import torch
 import triton
 
-from tunegen import dispatch
-from tunegen.families import FAMILIES, get
-from tunegen.gpu import Gpu
-from tunegen.problem import Problem
-from tunegen.render import Rendered, render
+from tunegen.kernels import dispatch
+from tunegen.kernels.families import FAMILIES, get
+from tunegen.kernels.gpu import Gpu
+from tunegen.kernels.problem import Problem
+from tunegen.kernels.render import Rendered, render
+from tunegen.kernels.variant import Variant
 from tunegen.tuning_db import GpuRecord, Store, WinnerRecord
 from tunegen.tuning_db.records import canonical
-from tunegen.variant import Variant
 
 
 @dataclasses.dataclass(frozen=True)

@@ -106,8 +106,9 @@ def _home(module: str, name: str | None) -> tuple[str, str | None]:
 
 
 def stem(module: str) -> str:
-    """The exported file a tunegen module's copy goes to: tunegen.tuning_db.records -> tuning_db_records."""
-    return module.removeprefix("tunegen.").replace(".", "_")
+    """The exported file a tunegen module's copy goes to: tunegen.tuning_db.records -> tuning_db_records,
+    tunegen.kernels.launcher -> launcher (the kernel machinery's room is the package's own)."""
+    return module.removeprefix("tunegen.").removeprefix("kernels.").replace(".", "_")
 
 
 def vendor(roots: Mapping[str, Iterable[str]], *, header: str) -> dict[str, str]:

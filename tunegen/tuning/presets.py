@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tunegen.problem import Problem, bucket
+from tunegen.kernels.problem import Problem, bucket
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tunegen.render import interpreting
+from tunegen.kernels.render import interpreting
 
 Task = Callable[[dict[str, Any]], dict[str, Any]]
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-from tunegen.fp8 import SCALE_BLOCK
-from tunegen.gpu import Gpu
-from tunegen.problem import Problem
-from tunegen.variant import Variant
+from tunegen.kernels.fp8 import SCALE_BLOCK
+from tunegen.kernels.gpu import Gpu
+from tunegen.kernels.problem import Problem
+from tunegen.kernels.variant import Variant
 
 LOADS = ("ptr", "desc")
 ORDERS = ("m_inner", "head_inner", "grouped")
@@ -442,7 +442,7 @@ class PrefillFamily:
         return "TFLOP/s", problem.flops()
 
     def case(self, problem: Problem, kernel: Any, device: Any, seed: int) -> Any:
-        from tunegen.families.prefill_case import prefill_case
+        from tunegen.kernels.families.prefill_case import prefill_case
 
         return prefill_case(problem, kernel, device, seed)
 

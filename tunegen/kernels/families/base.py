@@ -7,30 +7,31 @@ import itertools
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, Protocol
 
-from tunegen.gpu import Gpu
-from tunegen.problem import Problem
-from tunegen.render import Rendered, load, render
-from tunegen.variant import Variant
+from tunegen.kernels.gpu import Gpu
+from tunegen.kernels.problem import Problem
+from tunegen.kernels.render import Rendered, load, render
+from tunegen.kernels.variant import Variant
 
 
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One Problem's fresh random inputs: a kernel's launch on them, its error against float64
     (NaN when an output was left unwritten), the peers that compute the same function, and the
-    public call a user makes on them (where the family has one that takes them as they are)."""
+    positional and keyword arguments of the public call a user makes on them (where the family has
+    one that takes them as they are; `tunegen.measure.bench` times it)."""
 
     launch: Callable[[], None] | None
     error: Callable[[], float]
     peers: dict[str, Callable[[], Any]]
     peer_error: Callable[[Any], float]
-    public: Callable[[], Any] | None = None
+    public: tuple[tuple[Any, ...], dict[str, Any]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class Kernel:
     """A Variant rendered for one Problem's features and imported: `launch` runs it; `bind` takes
     one call's arguments and returns the bound call for all arguments of their launch key (see
-    tunegen.launcher), which `launch` also goes through."""
+    tunegen.kernels.launcher), which `launch` also goes through."""
 
     variant: Variant
     rendered: Rendered

@@ -25,7 +25,7 @@ from typing import Any
 import jinja2
 import platformdirs
 
-from tunegen.variant import Variant
+from tunegen.kernels.variant import Variant
 
 
 @functools.cache

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from tunegen import fp8, fp8_quantize
-from tunegen.families.base import Case, Kernel
-from tunegen.problem import TORCH_DTYPES, Problem
-from tunegen.reference import attention_reference, sampled_error
+from tunegen.kernels import fp8, quantize
+from tunegen.kernels.families.base import Case, Kernel
+from tunegen.kernels.problem import TORCH_DTYPES, Problem
+from tunegen.kernels.reference import attention_reference, sampled_error
 
 FULL_REFERENCE_LIMIT = 2**22  # score elements: above this, check sampled rows
 
@@ -26,7 +26,7 @@ def prefill_case(problem: Problem, kernel: Kernel | None, device: torch.device, 
     scale = d**-0.5
     inputs = (q, k, v)
     if problem.fp8:
-        inputs = fp8_quantize.quantize_fp8(q, k, v, hadamard=False)
+        inputs = quantize.quantize(q, k, v, hadamard=False, per_block=True)
         q, k, v = (fp8.dequantize(x, s, torch.float32) for x, s in zip(inputs[:3], inputs[3:], strict=True))
 
     def error_of(out: torch.Tensor) -> float:
@@ -59,7 +59,7 @@ def prefill_case(problem: Problem, kernel: Kernel | None, device: torch.device, 
 
     peers = {}
     if device.type == "cuda" and not problem.varlen:
-        from tunegen import peers as peer_impls
+        from tunegen.kernels import peers as peer_impls
 
         peer_inputs = tuple(t.to(dtype) for t in (q, k, v))
         for name in ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient"):

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from tunegen import fp8
-from tunegen.families.base import Case, Kernel
-from tunegen.problem import TORCH_DTYPES, Problem
-from tunegen.reference import attention_reference
+from tunegen.kernels import fp8
+from tunegen.kernels.families.base import Case, Kernel
+from tunegen.kernels.problem import TORCH_DTYPES, Problem
+from tunegen.kernels.reference import attention_reference
 
 
 def decode_case(problem: Problem, kernel: Kernel | None, device: torch.device, seed: int) -> Case:
@@ -80,7 +80,7 @@ def decode_case(problem: Problem, kernel: Kernel | None, device: torch.device, s
 
     peers = {}
     if device.type == "cuda" and not problem.paged and nq == 1:
-        from tunegen import peers as peer_impls
+        from tunegen.kernels import peers as peer_impls
 
         qt, kt, vt = q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
         for name in ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient"):
@@ -88,8 +88,6 @@ def decode_case(problem: Problem, kernel: Kernel | None, device: torch.device, s
             peers[name] = lambda fn=fn: fn(qt, kt, vt).transpose(1, 2)
     public = None
     if kernel is not None:
-        import tunegen
-
         named = dict(zip(("k_descale", "v_descale"), descales, strict=False))
-        public = lambda: tunegen.decode_attention(q, k_cache, v_cache, seqlens, block_table=table, **named)
+        public = ((q, k_cache, v_cache, seqlens), {"block_table": table, **named})
     return Case(launch=launch, error=error, peers=peers, peer_error=error_of, public=public)

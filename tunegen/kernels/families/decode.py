@@ -6,10 +6,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-from tunegen.families.prefill import block_d, dot_precision
-from tunegen.gpu import Gpu
-from tunegen.problem import Problem
-from tunegen.variant import Variant
+from tunegen.kernels.families.prefill import block_d, dot_precision
+from tunegen.kernels.gpu import Gpu
+from tunegen.kernels.problem import Problem
+from tunegen.kernels.variant import Variant
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +120,7 @@ class DecodeFamily:
         return "GB/s", 2.0 * problem.batch * problem.seqlen_k * problem.num_heads_kv * problem.head_dim * size
 
     def case(self, problem: Problem, kernel: Any, device: Any, seed: int) -> Any:
-        from tunegen.families.decode_case import decode_case
+        from tunegen.kernels.families.decode_case import decode_case
 
         return decode_case(problem, kernel, device, seed)
 

@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from tunegen.families import base, get
-from tunegen.gpu import gpu_of
-from tunegen.problem import Problem
-from tunegen.reference import tolerance
+from tunegen.kernels.families import base, get
+from tunegen.kernels.gpu import gpu_of
+from tunegen.kernels.problem import Problem
+from tunegen.kernels.reference import tolerance
 
 
 def _device(payload: dict[str, Any]) -> torch.device:
@@ -42,7 +42,7 @@ def _sync(payload: dict[str, Any]) -> None:
 def median_ms(fn: Callable[[], object], backend: str, rep_ms: float = 100.0) -> float:
     """The GPU's median time of `fn` (the interpreter's wall clock: a functional stand-in only)."""
     if backend == "cuda":
-        from tunegen.timing import median_ms as gpu_median_ms
+        from tunegen.tuning.timing import median_ms as gpu_median_ms
 
         return gpu_median_ms(fn, warmup_ms=25, rep_ms=rep_ms)
     times = []

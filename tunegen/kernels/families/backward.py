@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-from tunegen.families.prefill import block_d, check_descriptors, dot_precision, load_paths
-from tunegen.gpu import Gpu
-from tunegen.problem import Problem
-from tunegen.variant import Variant
+from tunegen.kernels.families.prefill import block_d, check_descriptors, dot_precision, load_paths
+from tunegen.kernels.gpu import Gpu
+from tunegen.kernels.problem import Problem
+from tunegen.kernels.variant import Variant
 
 DQ_MODES = ("separate", "concurrent", "atomic", "partial")
 LOADS = ("ptr", "desc")
@@ -206,7 +206,7 @@ class BackwardFamily:
         return "TFLOP/s", 2.5 * problem.flops()
 
     def case(self, problem: Problem, kernel: Any, device: Any, seed: int) -> Any:
-        from tunegen.families.backward_case import backward_case
+        from tunegen.kernels.families.backward_case import backward_case
 
         return backward_case(problem, kernel, device, seed)
 

@@ -1,7 +1,7 @@
 """Kernel families: each has one template, one Variant space, one launcher and one reference."""
 
-from tunegen.families import backward, decode, prefill
-from tunegen.families.base import Family
+from tunegen.kernels.families import backward, decode, prefill
+from tunegen.kernels.families.base import Family
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (prefill.FAMILY, decode.FAMILY, backward.FAMILY)}
 

@@ -20,13 +20,15 @@ import torch
 import triton
 
 import tunegen
-from tunegen import fp8, peers
-from tunegen.gpu import cuda_gpu, gpu_of
-from tunegen.problem import DTYPE_NAMES, Problem
-from tunegen.reference import FP8_TOLERANCE, TOLERANCE, sampled_error, tolerance
-from tunegen.timing import interleaved_ms, per_call_us, rate
+from tunegen.kernels import fp8, peers
+from tunegen.kernels.gpu import cuda_gpu, gpu_of
+from tunegen.kernels.problem import DTYPE_NAMES, Problem
+from tunegen.kernels.reference import FP8_TOLERANCE, TOLERANCE, sampled_error, tolerance
+from tunegen.tuning.timing import interleaved_ms, per_call_us, rate
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# The public call each family's Case gives the arguments of (see Case.public).
+PUBLIC_CALLS = {"decode": tunegen.decode_attention}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +150,7 @@ def _implementations(names: Iterable[str], shape: Shape, device: torch.device) -
 def _default_variant(causal: bool) -> Callable:
     """The prefill family's default Variant for the inputs' Problem, winners ignored: beside
     `tunegen`, it shows what tuning gained. Built on the first call, which is the untimed check."""
-    from tunegen.families import base, get
+    from tunegen.kernels.families import base, get
 
     built: list[base.Kernel] = []
 
@@ -293,8 +295,8 @@ def bench_cases(
 ) -> list[dict]:
     """Check then time tunegen's dispatched kernel and every peer the family's case offers, per
     Problem, in the family's unit (GB/s for decode)."""
-    from tunegen import dispatch
-    from tunegen.families import get
+    from tunegen.kernels import dispatch
+    from tunegen.kernels.families import get
 
     device = torch.device("cuda")
     gpu = cuda_gpu(torch.cuda.current_device())
@@ -347,14 +349,15 @@ def eager_and_graph(
     public call, the others the peers `names`; eager (back to back, the host's cost included) and
     replayed from a CUDA graph. Calls rotate over enough input sets to hold twice the L2 cache,
     so that no call reads its inputs from the one before's cache lines."""
-    from tunegen.families import get
+    from tunegen.kernels.families import get
 
     family = get(problem.family)
     _, work = family.measure(problem)
     l2 = torch.cuda.get_device_properties(device).L2_cache_size
     sets = max(1, min(8, math.ceil(2 * l2 / work)))
     cases = [case] + [family.case(problem, kernel, device, seed + i) for i in range(1, sets)]
-    impls = {"tunegen": [c.public for c in cases]}
+    public = PUBLIC_CALLS[problem.family]
+    impls = {"tunegen": [functools.partial(public, *c.public[0], **c.public[1]) for c in cases]}
     impls.update({name: [c.peers[name] for c in cases] for name in names if name != "tunegen"})
     return {name: (per_call_us(c, graph=False), per_call_us(c, graph=True)) for name, c in impls.items()}
 

@@ -9,9 +9,9 @@ from collections.abc import Callable
 
 import torch
 
-from tunegen.families.base import Case, Kernel
-from tunegen.problem import TORCH_DTYPES, Problem
-from tunegen.reference import causal_mask
+from tunegen.kernels.families.base import Case, Kernel
+from tunegen.kernels.problem import TORCH_DTYPES, Problem
+from tunegen.kernels.reference import causal_mask
 
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 CHUNK_ELEMENTS = 2**24  # score elements per float64 step of the reference
@@ -112,7 +112,7 @@ def backward_case(problem: Problem, kernel: Kernel | None, device: torch.device,
 
     peers = {}
     if device.type == "cuda" and not problem.varlen:
-        from tunegen import peers as peer_impls
+        from tunegen.kernels import peers as peer_impls
 
         makers = {
             name: lambda name=name: peer_impls.sdpa(name, problem.causal)

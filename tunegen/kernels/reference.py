@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tunegen.problem import Problem
+from tunegen.kernels.problem import Problem
 
 # The relative error ‖out − ref‖/‖ref‖ against float64 a kernel may show and still be trusted,
 # per input dtype: the probabilities are rounded to it before the second product, and so is the

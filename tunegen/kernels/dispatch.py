@@ -4,7 +4,7 @@ The first call for a (Problem, Gpu) looks for a Winner (the user's database, the
 winners): for exactly this Problem, else for the nearest bucket with the same features (at most
 one doubling of each size away), else it takes the family's default Variant. It builds that
 kernel once, under a lock; every later call is a dict lookup. The public functions keep, per
-exact input signature, the kernel's bound call (tunegen.launcher), so a repeated call is one
+exact input signature, the kernel's bound call (tunegen.kernels.launcher), so a repeated call is one
 lookup and the compiled kernel's own launch. Winners tuned under another Triton version are
 used, with one warning.
 """
@@ -20,10 +20,10 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from tunegen.database import winners_for
-from tunegen.families import base, get
-from tunegen.gpu import Gpu
-from tunegen.problem import Problem
+from tunegen.kernels.database import winners_for
+from tunegen.kernels.families import base, get
+from tunegen.kernels.gpu import Gpu
+from tunegen.kernels.problem import Problem
 from tunegen.tuning_db import TuningDbError, WinnerRecord
 
 log = logging.getLogger("tunegen")
@@ -55,7 +55,7 @@ class Choice:
 
 _CHOICES: dict[tuple[Problem, Gpu], Choice] = {}
 _LOCK = threading.Lock()
-# Calls' exact input signatures (see api.attention_eager, decode.decode_attention) to the bound
+# Calls' exact input signatures (see eager.attention_eager, decode.decode_attention) to the bound
 # launch of the kernel their Problem got.
 fast_calls: dict[tuple, Callable[..., Any]] = {}
 

@@ -23,17 +23,17 @@ from typing import Any
 import optuna
 import torch
 
-from tunegen.database import database_url, gpu_record, open_store
-from tunegen.families import get
-from tunegen.families.base import choose
-from tunegen.gpu import Gpu, driver_version
-from tunegen.problem import Problem
-from tunegen.render import template_hash
-from tunegen.timing import rate
-from tunegen.trial import compile_task, evaluate_task, peers_task
+from tunegen.kernels.database import database_url, gpu_record, open_store
+from tunegen.kernels.families import get
+from tunegen.kernels.families.base import choose
+from tunegen.kernels.gpu import Gpu, driver_version
+from tunegen.kernels.problem import Problem
+from tunegen.kernels.render import template_hash
+from tunegen.kernels.variant import Variant
+from tunegen.tuning.timing import rate
+from tunegen.tuning.trial import compile_task, evaluate_task, peers_task
+from tunegen.tuning.workers import Worker, WorkerPool
 from tunegen.tuning_db import FailureRecord, WinnerRecord
-from tunegen.variant import Variant
-from tunegen.workers import Worker, WorkerPool
 
 SAMPLERS = ("tpe", "random", "grid", "cmaes", "gp")
 STALE_AFTER_S = 3600.0

@@ -1,5 +1,5 @@
 """The GPU's measured ceilings for the roofline: dense matmul FLOP/s per input dtype and device
-copy bandwidth, timed the same way as every kernel (tunegen.timing)."""
+copy bandwidth, timed the same way as every kernel (tunegen.tuning.timing)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any
 import torch
 import triton
 
-from tunegen.gpu import cuda_gpu
-from tunegen.timing import median_ms
+from tunegen.kernels.gpu import cuda_gpu
+from tunegen.tuning.timing import median_ms
 
 
 def _matmul_tflops(dtype: torch.dtype, size: int) -> float:

@@ -16,7 +16,7 @@ import subprocess
 import tempfile
 from collections.abc import Sequence
 
-from tunegen.render import Rendered, interpreting, load
+from tunegen.kernels.render import Rendered, interpreting, load
 
 TRITON_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 

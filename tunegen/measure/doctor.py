@@ -9,9 +9,9 @@ from typing import Any
 import torch
 import triton
 
-from tunegen.database import database_url, gpu_record, open_store, winners_for
-from tunegen.gpu import Gpu, cuda_gpu, driver_version, interpreter_gpu
-from tunegen.presets import PRESETS, problems
+from tunegen.kernels.database import database_url, gpu_record, open_store, winners_for
+from tunegen.kernels.gpu import Gpu, cuda_gpu, driver_version, interpreter_gpu
+from tunegen.tuning.presets import PRESETS, problems
 from tunegen.tuning_db import TuningDbError, head_revision, shipped_store
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import platformdirs
 
-from tunegen.gpu import Gpu
-from tunegen.problem import Problem
+from tunegen.kernels.gpu import Gpu
+from tunegen.kernels.problem import Problem
 from tunegen.tuning_db import GpuRecord, Store, WinnerRecord, shipped_store
 
 

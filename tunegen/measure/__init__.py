@@ -1,0 +1,3 @@
+"""Measuring: `tunegen bench` against the peers (bench), the roofline's ceilings, the HTML report,
+the memory calculator and `tunegen doctor`. Imports the kernel machinery, tuning, and the public
+functions it times as users call them."""
