@@ -47,7 +47,7 @@ bench() {
 
 prefill() {  # what benchmarks/results/prefill_ws_h100.md was measured with (issue 13)
     copy_tests
-    step prefill-tests python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider /tmp/tunegen-tests/test_prefill_ws.py
+    step prefill-tests python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider /tmp/tunegen-tests/kernels/test_prefill_ws.py
     step prefill-sweep python3 "$REPO/benchmarks/prefill_defaults.py" --seqlens 512,1024,2048,4096,8192,16384 \
         --head-dims 64,128 --schedules ws -o "$OUT/prefill_sweep.json"
     step prefill-ablation python3 "$REPO/benchmarks/prefill_ablation.py" --head-dim 128 --seqlens 4096,16384 \
@@ -60,8 +60,8 @@ prefill() {  # what benchmarks/results/prefill_ws_h100.md was measured with (iss
 
 launch() {  # what benchmarks/results/launch_h100.md was measured with (issue 14)
     copy_tests
-    step launch-tests python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider /tmp/tunegen-tests/test_launcher.py \
-        /tmp/tunegen-tests/test_decode.py /tmp/tunegen-tests/test_gpu_graphs.py
+    step launch-tests python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider /tmp/tunegen-tests/kernels/test_launcher.py \
+        /tmp/tunegen-tests/kernels/test_decode.py /tmp/tunegen-tests/public/test_gpu_graphs.py
     step dispatch-overhead python3 "$REPO/benchmarks/dispatch_overhead.py" -o "$OUT/launch.json"
     step decode-sweep python3 "$REPO/benchmarks/decode_defaults.py" -o "$OUT/decode_defaults.json"
     step bench-decode tunegen bench decode -o "$OUT/decode.csv"
@@ -69,8 +69,9 @@ launch() {  # what benchmarks/results/launch_h100.md was measured with (issue 14
 
 backward() {  # what benchmarks/results/backward_h100.md was measured with (issue 15)
     copy_tests
-    step backward-tests python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider /tmp/tunegen-tests/test_backward.py \
-        /tmp/tunegen-tests/test_compile.py /tmp/tunegen-tests/test_launcher.py
+    step backward-tests python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider /tmp/tunegen-tests/kernels/test_backward_kernels.py \
+        /tmp/tunegen-tests/public/test_gradients.py \
+        /tmp/tunegen-tests/kernels/test_compile.py /tmp/tunegen-tests/kernels/test_launcher.py
     step backward-sweep-d128 python3 "$REPO/benchmarks/backward_defaults.py" --head-dims 128 \
         --seqlens 1024,4096,16384 -o "$OUT/backward_defaults_d128.json"
     step backward-sweep-d64-d256 python3 "$REPO/benchmarks/backward_defaults.py" --head-dims 64,256 \
@@ -80,8 +81,8 @@ backward() {  # what benchmarks/results/backward_h100.md was measured with (issu
 
 fp8() {  # what benchmarks/results/fp8_h100.md was measured with (issue 16), and what it still lacks
     copy_tests
-    step fp8-tests python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider /tmp/tunegen-tests/test_fp8_quantize.py \
-        /tmp/tunegen-tests/test_fp8.py /tmp/tunegen-tests/test_prefill_ws.py /tmp/tunegen-tests/test_decode_fp8.py
+    step fp8-tests python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider /tmp/tunegen-tests/kernels/test_fp8_quantize.py \
+        /tmp/tunegen-tests/kernels/test_fp8.py /tmp/tunegen-tests/kernels/test_prefill_ws.py /tmp/tunegen-tests/kernels/test_decode_fp8.py
     (cd "$REPO/benchmarks" && step fp8-sweep-noncausal python3 fp8_defaults.py --seqlens 16384,2048 --causal false \
         -o "$OUT/fp8_defaults_noncausal.json")
     (cd "$REPO/benchmarks" && step fp8-sweep-causal python3 fp8_defaults.py --seqlens 4096,16384 --causal true \

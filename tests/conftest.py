@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,6 +38,19 @@ def _kernel_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
 def device(request: pytest.FixtureRequest) -> torch.device:
     """Each correctness test runs on the interpreter (CPU) and, where there is one, the GPU."""
     return torch.device(request.param)
+
+
+@pytest.fixture
+def user_db(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """An empty user database (TUNEGEN_DB), its URL, and dispatch's memory cleared before and after,
+    so calls get the defaults unless a test records a Winner."""
+    from tunegen.kernels import dispatch
+
+    url = f"sqlite:///{tmp_path / 'user.db'}"
+    monkeypatch.setenv("TUNEGEN_DB", url)
+    dispatch.forget()
+    yield url
+    dispatch.forget()
 
 
 @pytest.fixture

@@ -1,13 +1,16 @@
-"""Shared test helpers: fresh random inputs, poisoned outputs, float64 comparisons."""
+"""Shared test helpers: fresh random inputs (packed sequences, KV caches), poisoned outputs, float64
+comparisons."""
 
 from __future__ import annotations
 
 import torch
 
 from tunegen.checks import is_aligned16
+from tunegen.eager import backend_for
 from tunegen.kernels.families import base, prefill
 from tunegen.kernels.gpu import gpu_of
 from tunegen.kernels.problem import DTYPE_NAMES, Problem, bucket
+from tunegen.kernels.reference import attention_reference
 
 # Relative error bounds ‖out − ref‖/‖ref‖ against float64, as tight as each dtype allows: the
 # probabilities are rounded to the input dtype before the second product, and so is the output.
@@ -73,3 +76,92 @@ def run_variant(
         lse = torch.full((q.shape[1], q.shape[0]), float("nan"), device=q.device) if return_lse else None
         kernel.launch(q, k, v, out, lse, scale, *varlen_args)
     return out, lse
+
+
+def packed(lengths_q, lengths_k, hq, hkv, d, dtype, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    q = randn(int(cu_q[-1]), hq, d, dtype=dtype, device=device, gen=gen)
+    k = randn(int(cu_k[-1]), hkv, d, dtype=dtype, device=device, gen=gen)
+    v = randn(int(cu_k[-1]), hkv, d, dtype=dtype, device=device, gen=gen)
+    return q, k, v, cu_q, cu_k
+
+
+def make_cache(batch, hkv, d, lengths, capacity, page, dtype, device, gen):
+    """A cache holding `lengths` tokens per sequence, contiguous (page 0) or paged in shuffled pages."""
+    if page:
+        pages = -(-capacity // page)
+        k_cache = torch.randn(batch * pages + 3, page, hkv, d, generator=gen).to(device, dtype)
+        table = torch.randperm(batch * pages + 3, generator=gen)[: batch * pages].view(batch, pages)
+        table = table.to(device=device, dtype=torch.int32)
+    else:
+        k_cache = torch.randn(batch, capacity, hkv, d, generator=gen).to(device, dtype)
+        table = None
+    return k_cache, torch.randn(k_cache.shape, generator=gen).to(device, dtype), table
+
+
+def gathered(cache, table, b, n):
+    """Sequence b's first n cached tokens as (kv_heads, n, head_dim)."""
+    if table is None:
+        return cache[b, :n].transpose(0, 1)
+    page = cache.shape[1]
+    idx = torch.arange(n, device=cache.device)
+    return cache[table[b, idx // page].long(), idx % page].transpose(0, 1)
+
+
+def reference(q, k_cache, v_cache, table, lengths, causal, scale):
+    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    lse = torch.full(
+        (q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=torch.float64, device=q.device
+    )
+    for b, n in enumerate(lengths):
+        if n == 0:
+            continue
+        o, s = attention_reference(
+            q[b].transpose(0, 1)[None],
+            gathered(k_cache, table, b, n)[None],
+            gathered(v_cache, table, b, n)[None],
+            causal=causal,
+            scale=scale,
+        )
+        out[b], lse[b] = o[0].transpose(0, 1), s[0]
+    return out, lse
+
+
+# ‖grad − ref‖/‖ref‖ of dq, dk and dv against float64: the products' inputs (P, dS) are rounded to
+# the input dtype, and so are the gradients.
+GRAD_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def leaves(*tensors):
+    return [t.detach().clone().requires_grad_() for t in tensors]
+
+
+def reference_grads(forward, inputs, dout, dlse=None):
+    """Float64 autograd of `forward` (a reference taking q, k, v) at `inputs`."""
+    q, k, v = leaves(*(t.double() for t in inputs))
+    out, lse = forward(q, k, v)
+    loss = (out * dout.double()).sum()
+    if dlse is not None:
+        loss = loss + (lse * dlse.double()).sum()
+    return torch.autograd.grad(loss, (q, k, v))
+
+
+def assert_grads(got, ref, dtype):
+    for name, g, r in zip(("dq", "dk", "dv"), got, ref, strict=True):
+        assert g is not None and not torch.isnan(g).any(), f"{name} holds NaN: some element was never written"
+        assert g.dtype == dtype and g.shape == r.shape
+        err = float((g.double() - r).norm() / r.norm())
+        assert err < GRAD_TOL[dtype], f"{name}: relative error {err:.2e}"
+
+
+def qkv_dout(batch, hq, hkv, nq, nk, d, dtype, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = ((batch, hq, nq, d), (batch, hkv, nk, d), (batch, hkv, nk, d), (batch, hq, nq, d))
+    return [randn(*s, dtype=dtype, device=device, gen=gen) for s in shapes]
+
+
+def dispatch_interprets() -> bool:
+    """Whether CPU tensors run the kernels (under the interpreter) rather than the PyTorch fallback."""
+    return backend_for(torch.device("cpu")) == "interpreter"

@@ -3,9 +3,9 @@ gets the right numbers: export one prefill Winner for this GPU ahead of time, wr
 inputs and their float64 reference, build demo.c against the export with the CUDA driver API,
 run it (aligned and offset buffers, which take the two compiled specializations) and compare.
 
-    python benchmarks/aot_demo/run.py --work /tmp/aot_demo            # on a GPU machine
-    python benchmarks/aot_demo/run.py --work /tmp/aot_demo --db URL   # with the Winners of URL
-    python benchmarks/aot_demo/run.py --work /tmp/aot_demo --offline  # no GPU: sm_90, build only
+    python tests/export/aot_demo/run.py --work /tmp/aot_demo            # on a GPU machine
+    python tests/export/aot_demo/run.py --work /tmp/aot_demo --db URL   # with the Winners of URL
+    python tests/export/aot_demo/run.py --work /tmp/aot_demo --offline  # no GPU: sm_90, build only
 
 Without --db, the Winner is this GPU's default Variant for the demo Problem, recorded in a
 throwaway database (its time is a placeholder: the point is the launch, not the speed). With

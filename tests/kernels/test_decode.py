@@ -8,51 +8,9 @@ import pytest
 import torch
 
 import tunegen
-from helpers import REL_TOL, assert_lse, rel_err
+from helpers import REL_TOL, assert_lse, gathered, make_cache, reference, rel_err
 from tunegen.kernels.families import base, decode
 from tunegen.kernels.gpu import gpu_of
-from tunegen.kernels.reference import attention_reference
-
-
-def make_cache(batch, hkv, d, lengths, capacity, page, dtype, device, gen):
-    """A cache holding `lengths` tokens per sequence, contiguous (page 0) or paged in shuffled pages."""
-    if page:
-        pages = -(-capacity // page)
-        k_cache = torch.randn(batch * pages + 3, page, hkv, d, generator=gen).to(device, dtype)
-        table = torch.randperm(batch * pages + 3, generator=gen)[: batch * pages].view(batch, pages)
-        table = table.to(device=device, dtype=torch.int32)
-    else:
-        k_cache = torch.randn(batch, capacity, hkv, d, generator=gen).to(device, dtype)
-        table = None
-    return k_cache, torch.randn(k_cache.shape, generator=gen).to(device, dtype), table
-
-
-def gathered(cache, table, b, n):
-    """Sequence b's first n cached tokens as (kv_heads, n, head_dim)."""
-    if table is None:
-        return cache[b, :n].transpose(0, 1)
-    page = cache.shape[1]
-    idx = torch.arange(n, device=cache.device)
-    return cache[table[b, idx // page].long(), idx % page].transpose(0, 1)
-
-
-def reference(q, k_cache, v_cache, table, lengths, causal, scale):
-    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
-    lse = torch.full(
-        (q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=torch.float64, device=q.device
-    )
-    for b, n in enumerate(lengths):
-        if n == 0:
-            continue
-        o, s = attention_reference(
-            q[b].transpose(0, 1)[None],
-            gathered(k_cache, table, b, n)[None],
-            gathered(v_cache, table, b, n)[None],
-            causal=causal,
-            scale=scale,
-        )
-        out[b], lse[b] = o[0].transpose(0, 1), s[0]
-    return out, lse
 
 
 def run(variant, q, k_cache, v_cache, seqlens, table, k=None, v=None, causal=True):

@@ -36,7 +36,7 @@ from tunegen.kernels.problem import Problem
 from tunegen.kernels.reference import attention_reference, attention_varlen_reference
 from tunegen.tuning_db import GpuRecord, Store, WinnerRecord
 
-ROOT = Path(__file__).resolve().parent.parent
+AOT_DEMO = Path(__file__).resolve().parent / "aot_demo" / "run.py"
 CHILD = Path(__file__).resolve().parent / "export_child.py"
 H100 = GpuRecord("NVIDIA H100 80GB HBM3", "9.0", 132, 232448, "cuda")
 TILED = PrefillVariant(
@@ -331,7 +331,7 @@ def test_json_export_is_one_sorted_importable_file_per_gpu(url, tmp_path):
 
 @pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="needs a C compiler")
 def test_aot_export_compiles_offline_and_the_c_demo_builds_against_it(url, tmp_path):
-    """What the GPU session runs (benchmarks/aot_demo/run.py), short of linking libcuda and
+    """What the GPU session runs (tests/export/aot_demo/run.py), short of linking libcuda and
     launching: export for sm_90 on this CPU, write inputs, compile demo.c with the export's C."""
     problem = Problem("prefill", "float16", 64, True, 8, 2, 2, 512, 512)
     record(url, H100, problem.as_dict(), PrefillVariant(block_m=64, block_n=64, num_warps=4, num_stages=3))
@@ -349,7 +349,7 @@ def test_aot_export_compiles_offline_and_the_c_demo_builds_against_it(url, tmp_p
     done = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "benchmarks" / "aot_demo" / "run.py"),
+            str(AOT_DEMO),
             "--work",
             str(work),
             "--offline",
@@ -396,7 +396,7 @@ def test_aot_export_compiles_offline_and_the_c_demo_builds_against_it(url, tmp_p
 @NEEDS_GPU
 def test_the_aot_demo_runs_on_the_gpu(tmp_path):
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "aot_demo" / "run.py"), "--work", str(tmp_path)],
+        [sys.executable, str(AOT_DEMO), "--work", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=600,

@@ -8,10 +8,9 @@ import math
 
 import pytest
 import torch
-from test_decode import gathered, make_cache, reference
 
 import tunegen
-from helpers import REL_TOL, assert_lse, rel_err
+from helpers import REL_TOL, assert_lse, gathered, make_cache, reference, rel_err
 from tunegen.decode import _problem
 from tunegen.kernels import fp8
 from tunegen.kernels.families import base, decode

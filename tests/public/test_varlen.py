@@ -6,20 +6,9 @@ import pytest
 import torch
 
 import tunegen
-from helpers import DTYPES, REL_TOL, assert_lse, randn, rel_err, run_variant
+from helpers import DTYPES, REL_TOL, assert_lse, packed, randn, rel_err, run_variant
 from tunegen.kernels.families.prefill import PrefillVariant
 from tunegen.kernels.reference import attention_varlen_reference
-
-
-def packed(lengths_q, lengths_k, hq, hkv, d, dtype, device, seed):
-    gen = torch.Generator().manual_seed(seed)
-    cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    cu_k = torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    q = randn(int(cu_q[-1]), hq, d, dtype=dtype, device=device, gen=gen)
-    k = randn(int(cu_k[-1]), hkv, d, dtype=dtype, device=device, gen=gen)
-    v = randn(int(cu_k[-1]), hkv, d, dtype=dtype, device=device, gen=gen)
-    return q, k, v, cu_q, cu_k
-
 
 CASES = [
     ([37, 5, 64, 1], [37, 5, 64, 1], 4, 4, 64),  # self-attention, ragged, a length-1 sequence

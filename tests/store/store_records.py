@@ -1,0 +1,45 @@
+"""Records for the store's tests: one GPU, Problems that differ by index, Winners with a chosen time."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tunegen.tuning_db import (
+    GpuRecord,
+    WinnerRecord,
+)
+
+H100 = GpuRecord("NVIDIA H100 80GB HBM3", "9.0", 132, 232448, "cuda", "580.159.04")
+
+
+def problem(i: int = 0) -> dict:
+    return {
+        "family": "prefill",
+        "dtype": "bfloat16",
+        "head_dim": 128,
+        "causal": bool(i % 2),
+        "num_heads_q": 32,
+        "num_heads_kv": 8,
+        "batch": 4,
+        "seqlen_q": 1024 << (i % 5),
+        "seqlen_k": 1024 << (i % 5),
+        "variant_of": i,
+    }
+
+
+def winner(i: int = 0, ms: float = 1.0, block_m: int = 128, **changes) -> WinnerRecord:
+    w = WinnerRecord(
+        gpu=H100,
+        family="prefill",
+        problem=problem(i),
+        variant={"block_m": block_m, "block_n": 64},
+        median_ms=ms,
+        rel_err=2e-3,
+        triton_version="3.6.0",
+        torch_version="2.11.0",
+        template_hash="abc123",
+        tflops=400.0 / ms,
+        peer_name="sdpa-flash",
+        peer_ms=1.4,
+    )
+    return dataclasses.replace(w, **changes)
