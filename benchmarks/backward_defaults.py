@@ -31,7 +31,7 @@ from tunegen.kernels.families import backward, base
 from tunegen.kernels.families.backward_case import backward_peer, grads_error, reference_backward
 from tunegen.kernels.gpu import cuda_gpu
 from tunegen.kernels.reference import TOLERANCE
-from tunegen.measure.bench import Shape, prefill_suite
+from tunegen.measure.suites import Shape, prefill_suite
 from tunegen.tuning.timing import median_ms
 
 Variant = backward.BackwardVariant

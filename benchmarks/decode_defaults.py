@@ -25,7 +25,7 @@ import triton
 from tunegen.kernels.families import base, decode
 from tunegen.kernels.gpu import cuda_gpu
 from tunegen.kernels.reference import TOLERANCE
-from tunegen.measure.bench import decode_suite
+from tunegen.measure.suites import decode_suite
 from tunegen.tuning.timing import median_ms, rate
 
 TILES = list(itertools.product((64, 128), (4, 8), (2, 3, 4)))  # block_n, num_warps, num_stages

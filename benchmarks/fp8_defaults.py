@@ -27,7 +27,7 @@ from tunegen.kernels import fp8, peers
 from tunegen.kernels.families import base, prefill
 from tunegen.kernels.gpu import cuda_gpu
 from tunegen.kernels.reference import TOLERANCE, attention_reference, sampled_error
-from tunegen.measure.bench import prefill_suite
+from tunegen.measure.suites import prefill_suite
 from tunegen.tuning.timing import median_ms
 
 FP8_TOLERANCE = 3e-2  # P rounded to e4m3 before the second product (tests/test_fp8.py)

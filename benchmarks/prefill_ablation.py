@@ -1,7 +1,7 @@
 """What each technique of the Hopper schedule gains on its own: the prefill kernel at a few suite
 shapes as FlashAttention-2's loop, then warp-specialized with two consumers, then with ping-pong,
 with the softmax overlapped, with both, persistent, beside cuDNN; all checked against float64 on
-sampled rows, then timed together in rotated rounds (`tunegen.measure.bench.check_then_time`).
+sampled rows, then timed together in rotated rounds (`tunegen.measure.rows.check_then_time`).
 
     python benchmarks/prefill_ablation.py --head-dim 128 --seqlens 4096,16384 -o ablation.json
 """
@@ -19,7 +19,8 @@ from tunegen.kernels import peers
 from tunegen.kernels.families import base, prefill
 from tunegen.kernels.gpu import cuda_gpu
 from tunegen.kernels.reference import TOLERANCE, sampled_error
-from tunegen.measure.bench import check_then_time, prefill_suite
+from tunegen.measure.rows import check_then_time
+from tunegen.measure.suites import prefill_suite
 
 WS = prefill.PrefillVariant(schedule="ws", block_m=64, block_n=128, consumers=2)
 STEPS = {  # name: Variant, in the order the techniques add up

@@ -29,7 +29,7 @@ from tunegen.kernels import peers
 from tunegen.kernels.families import base, prefill
 from tunegen.kernels.gpu import cuda_gpu
 from tunegen.kernels.reference import TOLERANCE, attention_reference, sampled_error
-from tunegen.measure.bench import Shape, prefill_suite
+from tunegen.measure.suites import Shape, prefill_suite
 from tunegen.tuning.timing import median_ms
 
 TILES = {  # schedule "fa2": block_m, block_n, num_warps, num_stages

@@ -15,7 +15,7 @@ import torch
 from tunegen.kernels import dispatch
 from tunegen.kernels.families import base, prefill
 from tunegen.kernels.gpu import cuda_gpu
-from tunegen.measure.bench import prefill_suite
+from tunegen.measure.suites import prefill_suite
 
 
 def main() -> None:

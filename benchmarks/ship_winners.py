@@ -25,7 +25,7 @@ from pathlib import Path
 from tunegen.kernels import families
 from tunegen.kernels.gpu import Gpu
 from tunegen.kernels.problem import Problem
-from tunegen.measure.bench import Shape
+from tunegen.measure.suites import Shape
 from tunegen.tuning_db.exchange import FORMAT, VERSION, parse_document
 
 H100 = {

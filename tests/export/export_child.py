@@ -1,4 +1,4 @@
-"""Run by tests/test_export.py as `python -I export_child.py EXPORT_DIR PACKAGE CASES RESULTS` in a
+"""Run by tests/export/test_export.py as `python -I export_child.py EXPORT_DIR PACKAGE CASES RESULTS` in a
 fresh interpreter where tunegen (and what only tunegen needs) cannot be imported: imports the
 exported package, runs each call in CASES and saves what it returned, raised and warned, with the
 Problem the package keyed the call under and the table entry it chose."""

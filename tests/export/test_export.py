@@ -1,9 +1,9 @@
 """Exports ship the Winners without tunegen. The exported package, imported in a fresh interpreter
 where tunegen cannot be imported, keys each call under the Problem tunegen would, serves the
 Winner tunegen's dispatch would, and computes what tunegen computes, bit for bit, within float64
-tolerance; JSON exports are one sorted, importable file per GPU; AOT exports compile offline into
-cubins with C launchers that a C program builds against; every export carries its provenance and
-one table holds one GPU unless mixing is asked for."""
+tolerance; JSON exports are one sorted, importable file per GPU; every export carries its
+provenance and one table holds one GPU unless mixing is asked for. AOT exports:
+test_export_aot.py."""
 
 from __future__ import annotations
 
@@ -12,21 +12,17 @@ import importlib
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import warnings
 from pathlib import Path
 
-import pytest
 import torch
-from click.testing import CliRunner
-from conftest import NEEDS_GPU
 
 import tunegen
+from export_cases import H100, TILED, cli, export, record
 from helpers import REL_TOL, assert_lse, rel_err
 from tunegen import decode
-from tunegen.cli.main import main
 from tunegen.kernels import dispatch
 from tunegen.kernels.database import gpu_record
 from tunegen.kernels.families.decode import DecodeVariant
@@ -34,52 +30,10 @@ from tunegen.kernels.families.prefill import PrefillVariant
 from tunegen.kernels.gpu import cuda_gpu, interpreter_gpu
 from tunegen.kernels.problem import Problem
 from tunegen.kernels.reference import attention_reference, attention_varlen_reference
-from tunegen.tuning_db import GpuRecord, Store, WinnerRecord
 
-AOT_DEMO = Path(__file__).resolve().parent / "aot_demo" / "run.py"
 CHILD = Path(__file__).resolve().parent / "export_child.py"
-H100 = GpuRecord("NVIDIA H100 80GB HBM3", "9.0", 132, 232448, "cuda")
-TILED = PrefillVariant(
-    block_m=16, block_n=32, num_warps=4, num_stages=1, causal_split=False, order="head_inner", reverse_m=True
-)
 SQUARE = PrefillVariant(block_m=32, block_n=16, num_warps=4, num_stages=1)
 SPLIT = DecodeVariant(block_n=16, num_splits=2, num_warps=4, num_stages=1, pack_gqa=True)
-
-
-@pytest.fixture
-def url(tmp_path, monkeypatch):
-    url = f"sqlite:///{tmp_path / 'tunegen.db'}"
-    monkeypatch.setenv("TUNEGEN_DB", url)
-    dispatch.forget()
-    yield url
-    dispatch.forget()
-
-
-def record(url: str, gpu: GpuRecord, problem: dict, variant, *, triton_version: str | None = None) -> None:
-    with Store(url) as store:
-        store.record_winner(
-            WinnerRecord(
-                gpu=gpu,
-                family=problem["family"],
-                problem=problem,
-                variant=variant.as_dict(),
-                median_ms=1.0,
-                rel_err=1e-3,
-                triton_version=triton_version or interpreter_gpu().triton_version,
-                torch_version=torch.__version__,
-                template_hash="tuned-template",
-            )
-        )
-
-
-def cli(*args: str, ok: bool = True):
-    result = CliRunner().invoke(main, [str(a) for a in args])
-    assert (result.exit_code == 0) == ok, result.output
-    return result
-
-
-def export(url: str, fmt: str, output: Path, *options: str, ok: bool = True):
-    return cli("export", "--format", fmt, "--db", url, "-o", output, *options, ok=ok)
 
 
 def cases(device: torch.device) -> list[dict]:
@@ -141,16 +95,21 @@ def run_child(export_dir: Path, package: str, todo: list[dict], tmp_path: Path) 
     return torch.load(tmp_path / "results.pt")
 
 
-def test_the_exported_package_runs_without_tunegen_and_matches_it(url, tmp_path, device):
+def test_the_exported_package_runs_without_tunegen_and_matches_it(user_db, tmp_path, device):
     gpu = interpreter_gpu() if device.type == "cpu" else cuda_gpu(torch.cuda.current_device())
     todo = cases(device)
     problems = [tunegen_problem(c) for c in todo[:4]]
-    record(url, gpu_record(gpu), problems[0], TILED)
-    record(url, gpu_record(gpu), {**problems[1], "seqlen_q": 32, "seqlen_k": 32}, SQUARE)  # nearest bucket
-    record(url, gpu_record(gpu), problems[2], SQUARE)
-    record(url, gpu_record(gpu), problems[3], SPLIT)
+    record(user_db, gpu_record(gpu), problems[0], TILED)
+    record(
+        user_db,
+        gpu_record(gpu),
+        {**problems[1], "seqlen_q": 32, "seqlen_k": 32},
+        SQUARE,  # nearest bucket
+    )
+    record(user_db, gpu_record(gpu), problems[2], SQUARE)
+    record(user_db, gpu_record(gpu), problems[3], SPLIT)
     dispatch.forget()  # explain() above chose before these Winners existed
-    export(url, "python", tmp_path / "out", "--package", "tuned_attention")
+    export(user_db, "python", tmp_path / "out", "--package", "tuned_attention")
     exported = tmp_path / "out" / "tuned_attention"
     code = "\n".join(p.read_text() for p in exported.rglob("*.py"))
     assert not re.search(r"^\s*(import|from)\s+(tunegen|jinja2|sqlalchemy)\b", code, re.M)
@@ -218,7 +177,7 @@ def import_export(folder: Path, package: str):
         sys.path.remove(str(folder))
 
 
-def test_the_exported_choice_rule_is_dispatchs(url, tmp_path):
+def test_the_exported_choice_rule_is_dispatchs(user_db, tmp_path):
     """Exact, nearest (closest in log2 sizes, this Triton's first at equal distance), too far,
     other features, other GPU: the package's lookup and tunegen's dispatch agree on each."""
     gpu = interpreter_gpu()
@@ -227,18 +186,20 @@ def test_the_exported_choice_rule_is_dispatchs(url, tmp_path):
     def at(**sizes) -> Problem:
         return dataclasses.replace(base, **sizes)
 
-    record(url, gpu_record(gpu), at().as_dict(), TILED)
-    record(url, gpu_record(gpu), at(batch=1, seqlen_q=16, seqlen_k=16).as_dict(), SQUARE)
+    record(user_db, gpu_record(gpu), at().as_dict(), TILED)
+    record(user_db, gpu_record(gpu), at(batch=1, seqlen_q=16, seqlen_k=16).as_dict(), SQUARE)
     record(
-        url,
+        user_db,
         gpu_record(gpu),
         at(batch=4, seqlen_q=64, seqlen_k=64).as_dict(),
         SQUARE.replace(block_n=32),
         triton_version="3.0.0",
     )
-    record(url, gpu_record(gpu), at(batch=1, seqlen_q=64, seqlen_k=64).as_dict(), SQUARE.replace(block_m=16))
-    record(url, H100, at(seqlen_q=256, seqlen_k=256).as_dict(), TILED)
-    export(url, "python", tmp_path, "--package", "choice_rule", "--allow-mixed-gpus")
+    record(
+        user_db, gpu_record(gpu), at(batch=1, seqlen_q=64, seqlen_k=64).as_dict(), SQUARE.replace(block_m=16)
+    )
+    record(user_db, H100, at(seqlen_q=256, seqlen_k=256).as_dict(), TILED)
+    export(user_db, "python", tmp_path, "--package", "choice_rule", "--allow-mixed-gpus")
     package = import_export(tmp_path, "choice_rule")
     queries = [
         at(),
@@ -264,18 +225,18 @@ def test_the_exported_choice_rule_is_dispatchs(url, tmp_path):
     assert outcomes == [("winner", True), current, current, None, None, None, current, stale]
 
 
-def test_one_table_holds_one_gpu_unless_asked(url, tmp_path):
+def test_one_table_holds_one_gpu_unless_asked(user_db, tmp_path):
     problem = Problem("prefill", "float16", 24, True, 4, 2, 2, 64, 64).as_dict()
-    record(url, gpu_record(interpreter_gpu()), problem, TILED)
-    record(url, H100, problem, SQUARE)
-    refused = export(url, "python", tmp_path / "a", ok=False)
+    record(user_db, gpu_record(interpreter_gpu()), problem, TILED)
+    record(user_db, H100, problem, SQUARE)
+    refused = export(user_db, "python", tmp_path / "a", ok=False)
     assert "several GPUs (NVIDIA H100 80GB HBM3, triton-interpreter)" in refused.output
     assert "--allow-mixed-gpus" in refused.output and "--gpu NAME" in refused.output
     assert not (tmp_path / "a" / "tunegen_kernels").exists()
-    export(url, "python", tmp_path / "b", "--gpu", "triton-interpreter")
+    export(user_db, "python", tmp_path / "b", "--gpu", "triton-interpreter")
     table = json.loads((tmp_path / "b" / "tunegen_kernels" / "table.json").read_text())
     assert [e["gpu"]["name"] for e in table] == ["triton-interpreter"]
-    export(url, "python", tmp_path / "b", "--allow-mixed-gpus")
+    export(user_db, "python", tmp_path / "b", "--allow-mixed-gpus")
     exported = tmp_path / "b" / "tunegen_kernels"
     table = json.loads((exported / "table.json").read_text())
     assert sorted(e["gpu"]["name"] for e in table) == ["NVIDIA H100 80GB HBM3", "triton-interpreter"]
@@ -287,22 +248,22 @@ def test_one_table_holds_one_gpu_unless_asked(url, tmp_path):
     assert "decode_attention" not in import_export(tmp_path / "b", "tunegen_kernels").__all__
     (tmp_path / "c" / "tunegen_kernels").mkdir(parents=True)
     (tmp_path / "c" / "tunegen_kernels" / "mine.txt").write_text("not an export")
-    taken = export(url, "python", tmp_path / "c", "--gpu", "triton-interpreter", ok=False)
+    taken = export(user_db, "python", tmp_path / "c", "--gpu", "triton-interpreter", ok=False)
     assert "exists and is not a tunegen export" in taken.output
     assert (
         "package: expected a Python identifier"
         in export(
-            url, "python", tmp_path / "d", "--package", "not-a-name", "--allow-mixed-gpus", ok=False
+            user_db, "python", tmp_path / "d", "--package", "not-a-name", "--allow-mixed-gpus", ok=False
         ).output
     )
 
 
-def test_json_export_is_one_sorted_importable_file_per_gpu(url, tmp_path):
+def test_json_export_is_one_sorted_importable_file_per_gpu(user_db, tmp_path):
     problem = Problem("prefill", "float16", 24, True, 4, 2, 2, 64, 64).as_dict()
-    record(url, gpu_record(interpreter_gpu()), problem, TILED)
-    record(url, H100, problem, SQUARE)
-    record(url, H100, {**problem, "causal": False}, TILED)
-    out = export(url, "json", tmp_path / "json").output
+    record(user_db, gpu_record(interpreter_gpu()), problem, TILED)
+    record(user_db, H100, problem, SQUARE)
+    record(user_db, H100, {**problem, "causal": False}, TILED)
+    out = export(user_db, "json", tmp_path / "json").output
     files = sorted((tmp_path / "json").glob("*.json"))
     assert [f.name for f in files] == [
         "nvidia_h100_80gb_hbm3_sm90_cuda.json",
@@ -322,83 +283,10 @@ def test_json_export_is_one_sorted_importable_file_per_gpu(url, tmp_path):
     imported = cli("import", "--db", f"sqlite:///{tmp_path / 'other.db'}", *files).output
     assert "merged 2," in imported and "merged 1," in imported
     assert (
-        "no winners to export" in export(url, "json", tmp_path / "x", "--family", "decode", ok=False).output
+        "no winners to export"
+        in export(user_db, "json", tmp_path / "x", "--family", "decode", ok=False).output
     )
     assert (
-        "family: expected one of" in export(url, "json", tmp_path / "x", "--family", "nope", ok=False).output
+        "family: expected one of"
+        in export(user_db, "json", tmp_path / "x", "--family", "nope", ok=False).output
     )
-
-
-@pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="needs a C compiler")
-def test_aot_export_compiles_offline_and_the_c_demo_builds_against_it(url, tmp_path):
-    """What the GPU session runs (tests/export/aot_demo/run.py), short of linking libcuda and
-    launching: export for sm_90 on this CPU, write inputs, compile demo.c with the export's C."""
-    problem = Problem("prefill", "float16", 64, True, 8, 2, 2, 512, 512)
-    record(url, H100, problem.as_dict(), PrefillVariant(block_m=64, block_n=64, num_warps=4, num_stages=3))
-    record(url, H100, dataclasses.replace(problem, dtype="bfloat16").as_dict(), PrefillVariant(load="desc"))
-    ws = PrefillVariant(schedule="ws", block_n=128, consumers=2, overlap=True)
-    record(url, H100, dataclasses.replace(problem, head_dim=128).as_dict(), ws, triton_version="3.6.0")
-    record(url, gpu_record(interpreter_gpu()), problem.as_dict(), TILED)
-    assert "--allow-mixed-gpus" in export(url, "aot", tmp_path, ok=False).output
-    interpreted = export(url, "aot", tmp_path, "--gpu", "triton-interpreter", ok=False)
-    assert (
-        "no winners to compile ahead of time: tuned on interpreter, which is no GPU target"
-        in interpreted.output
-    )
-    work = tmp_path / "demo"
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(AOT_DEMO),
-            "--work",
-            str(work),
-            "--offline",
-            "--db",
-            url,
-        ],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "TRITON_INTERPRET": "0"},
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "manifest.json: 1 winners" in done.stdout and "global scratch" in done.stdout
-    assert "built objects" in done.stdout
-
-    root = work / "aot"
-    manifest = json.loads((root / "manifest.json").read_text())
-    assert manifest["format"] == "tunegen-aot" and manifest["provenance"]["kind"] == "aot"
-    assert json.loads((root / "provenance.json").read_text()) == manifest["provenance"]
-    (row,) = manifest["table"]
-    assert row["problem"] == problem.as_dict() and row["gpu"]["capability"] == "9.0"
-    reasons = sorted(k["reason"] for k in manifest["skipped"])
-    assert [r[:26] for r in reasons] == ["Triton's AOT compiler: Run", "schedule 'ws' is a Gluon k"]
-    kernel = manifest["kernels"][row["kernel"]]
-    assert kernel["target"] == "cuda:90:32" and [c["aligned"] for c in kernel["cubins"]] == [True, False]
-    for cubin in kernel["cubins"]:
-        data = (root / cubin["file"]).read_bytes()
-        assert len(data) == cubin["bytes"] > 0 and data[:4] == b"\x7fELF"
-    header = (root / kernel["header"]).read_text()
-    assert re.search(rf"CUresult {kernel['entry']}\(CUstream stream, CUdeviceptr Q, .*float qk_scale", header)
-    assert all((root / s).exists() for s in [*kernel["sources"], kernel["triton_source"]])
-    assert sorted(p.name for p in root.iterdir()) == ["manifest.json", "provenance.json", row["kernel"]]
-    nm = shutil.which("nm")
-    if nm:
-        objects = [str(o) for o in work.glob("tunegen_*.o")]
-        defined = subprocess.run([nm, "--defined-only", *objects], capture_output=True, text=True).stdout
-        needed = subprocess.run(
-            [nm, "--undefined-only", str(work / "demo.o")], capture_output=True, text=True
-        )
-        assert kernel["entry"] in needed.stdout and re.search(rf" T {kernel['entry']}$", defined, re.M)
-
-
-@pytest.mark.gpu
-@NEEDS_GPU
-def test_the_aot_demo_runs_on_the_gpu(tmp_path):
-    done = subprocess.run(
-        [sys.executable, str(AOT_DEMO), "--work", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0 and "PASSED" in done.stdout, done.stdout + done.stderr

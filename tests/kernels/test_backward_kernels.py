@@ -222,7 +222,7 @@ def test_command_line():
     from click.testing import CliRunner
 
     from tunegen.cli.main import main
-    from tunegen.measure.bench import backward_suite
+    from tunegen.measure.suites import backward_suite
 
     result = CliRunner().invoke(main, ["render", "backward", "--head-dim", "80", "--causal", "--varlen"])
     assert result.exit_code == 0, result.output

@@ -17,7 +17,9 @@ from tunegen.kernels.families import base, prefill
 from tunegen.kernels.gpu import Gpu, gpu_of
 from tunegen.kernels.problem import Problem, bucket
 from tunegen.kernels.reference import FP8_TOLERANCE, attention_reference, tolerance
-from tunegen.measure import bench
+from tunegen.measure.bench_fp8 import fp8_speedups
+from tunegen.measure.rows import Row
+from tunegen.measure.suites import Shape, fp8_decode_suite
 
 # P is rounded to e4m3 before the second product (about 2% on these inputs); bf16 P is ~0.5%.
 P_E4M3_TOL, P_BF16_TOL = 3e-2, 1e-2
@@ -278,13 +280,13 @@ def test_fp8_variants_are_checked():
 
 
 def test_bench_fp8_pairs_and_speedups():
-    problems = bench.fp8_decode_suite(batches=(64,), cache_lengths=(32768,), page_sizes=(0,))
+    problems = fp8_decode_suite(batches=(64,), cache_lengths=(32768,), page_sizes=(0,))
     assert [p.fp8 for p in problems] == [False, True] and problems[0] == dataclasses.replace(
         problems[1], fp8=False
     )
-    shape = bench.Shape(1, 16, 16, 4096, 128, False)
+    shape = Shape(1, 16, 16, 4096, 128, False)
     prefill_rows = [
-        bench._row(impl, dtype, shape, ms, tflops, 0.01, "", "H100", "2026-11-22")
+        Row.of(impl, dtype, shape, ms, tflops, 0.01, "", "H100", "2026-11-22")
         for impl, dtype, ms, tflops in (
             ("tunegen-bf16", "bf16", 1.75, 400.0),
             ("tunegen-fp8", "fp8", 1.0, 700.0),
@@ -296,7 +298,7 @@ def test_bench_fp8_pairs_and_speedups():
         {"impl": "tunegen", "batch": 64, "seqlen_k": 32768, "page_size": 0, "fp8": fp8_cache, "ms": ms}
         for fp8_cache, ms in ((False, 3.4), (True, 1.8))
     ]
-    prefill_speedup, decode_speedup = bench.fp8_speedups(prefill_rows, decode_rows)
+    prefill_speedup, decode_speedup = fp8_speedups(prefill_rows, decode_rows)
     assert prefill_speedup["speedup"] == pytest.approx(1.75) and prefill_speedup["unit"] == "TFLOP/s"
     assert prefill_speedup["end_to_end"] == pytest.approx(1.59) and prefill_speedup["quantize_share"] == 0.05
     assert decode_speedup["end_to_end"] is None

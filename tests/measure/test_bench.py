@@ -9,7 +9,8 @@ import torch
 
 import tunegen
 from tunegen.kernels.reference import attention_reference
-from tunegen.measure import bench
+from tunegen.measure import bench, rows
+from tunegen.measure.suites import Shape
 
 
 @pytest.mark.skipif(
@@ -29,7 +30,7 @@ def test_tunegen_default_runs_the_default_variant_and_is_right(causal, monkeypat
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(2, 4, 37, 24, generator=gen, dtype=torch.float16)
     k, v = (torch.randn(2, 2, 45, 24, generator=gen, dtype=torch.float16) for _ in range(2))
-    shape = bench.Shape(2, 4, 2, 37, 24, causal)
+    shape = Shape(2, 4, 2, 37, 24, causal)
     call = bench._implementations(["tunegen-default"], shape, q.device)["tunegen-default"]
     out = call(q, k, v)
     ref, _ = attention_reference(q, k, v, causal=causal, scale=24**-0.5)
@@ -40,7 +41,7 @@ def test_tunegen_default_runs_the_default_variant_and_is_right(causal, monkeypat
 
 def test_unknown_implementations_are_named():
     with pytest.raises(ValueError, match="impl: expected tunegen, tunegen-default or one of"):
-        bench._implementations(["nope"], bench.Shape(1, 1, 1, 16, 16, False), torch.device("cpu"))
+        bench._implementations(["nope"], Shape(1, 1, 1, 16, 16, False), torch.device("cpu"))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
@@ -74,14 +75,14 @@ def test_check_then_time_times_only_what_is_right(monkeypatch):
     """A refusal and a wrong answer become notes and are never timed; the rest are timed together."""
     timed = []
     monkeypatch.setattr(
-        bench, "interleaved_ms", lambda calls: timed.append(sorted(calls)) or dict.fromkeys(calls, 1.0)
+        rows, "interleaved_ms", lambda calls: timed.append(sorted(calls)) or dict.fromkeys(calls, 1.0)
     )
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
 
     def refuse():
         raise RuntimeError("no kernel for this shape\nmore")
 
-    results = bench.check_then_time(
+    results = rows.check_then_time(
         {
             "ok": (lambda: 0.001, float, 0.01),
             "wrong": (lambda: 0.5, float, 0.01),

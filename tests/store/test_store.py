@@ -25,8 +25,8 @@ from tunegen.tuning_db import (
     TuningDbError,
     head_revision,
 )
+from tunegen.tuning_db.database import VERSION_TABLE, _alembic_config
 from tunegen.tuning_db.models import Base
-from tunegen.tuning_db.store import VERSION_TABLE, _alembic_config
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-from tunegen.kernels.families.prefill import block_d, check_descriptors, dot_precision, load_paths
+from tunegen.kernels.families.operands import block_d, check_descriptors, dot_precision, load_paths
 from tunegen.kernels.gpu import Gpu
 from tunegen.kernels.problem import Problem
 from tunegen.kernels.variant import Variant

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-from tunegen.kernels.families.prefill import block_d, dot_precision
+from tunegen.kernels.families.operands import block_d, dot_precision
 from tunegen.kernels.gpu import Gpu
 from tunegen.kernels.problem import Problem
 from tunegen.kernels.variant import Variant

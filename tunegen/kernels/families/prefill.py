@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+from tunegen.kernels.families.operands import block_d, check_descriptors, dot_precision, load_paths
+from tunegen.kernels.families.prefill_ws import check_ws
 from tunegen.kernels.fp8 import SCALE_BLOCK
 from tunegen.kernels.gpu import Gpu
 from tunegen.kernels.problem import Problem
@@ -17,7 +19,6 @@ ORDERS = ("m_inner", "head_inner", "grouped")
 SCHEDULES = ("fa2", "ws")
 FA2_KNOBS = ("num_warps", "causal_split", "load", "p_fp8", "v_trans")
 WS_KNOBS = ("consumers", "pingpong", "overlap", "persistent", "producer_regs", "ctas_per_sm")
-WS_HEAD_DIMS = (64, 128)
 REGISTER_FILE = 65536  # 32-bit registers per SM on every GPU tunegen targets
 
 
@@ -135,42 +136,6 @@ class PrefillVariant(Variant):
                 raise ValueError(f"{name}: a knob of schedule 'fa2'; schedule 'ws' keeps its default")
 
 
-def block_d(head_dim: int, fp8: bool = False) -> int:
-    """The head-dim tile: the next power of two, at least tl.dot's smallest K on NVIDIA GPUs (16,
-    or 32 for e4m3 operands)."""
-    return max(32 if fp8 else 16, 1 << (head_dim - 1).bit_length())
-
-
-def dot_precision(problem: Problem) -> str | None:
-    """tl.dot's input_precision for the Problem's dtype: "ieee" for float32, which would otherwise
-    multiply in TF32 on tensor cores (a 1e-3 relative error where float32 promises 1e-6)."""
-    return "ieee" if problem.dtype == "float32" else None
-
-
-def check_descriptors(problem: Problem, gpu: Gpu) -> None:
-    """Raise ValueError if tensor descriptors (load "desc") cannot read `problem`'s inputs on
-    `gpu`: they take 16-bit, 16-byte aligned inputs and compute capability 9.0."""
-    if problem.dtype == "float32":
-        raise ValueError("variant.load: 'desc' takes 16-bit inputs; float32 needs 'ptr'")
-    if not problem.aligned:
-        raise ValueError(
-            "variant.load: 'desc' needs 16-byte aligned base addresses and strides; these inputs need 'ptr'"
-        )
-    if gpu.backend == "cuda" and gpu.capability < (9, 0):
-        raise ValueError(
-            f"variant.load: 'desc' needs compute capability 9.0 or newer, {gpu.name} has {gpu.capability}"
-        )
-
-
-def load_paths(problem: Problem, gpu: Gpu) -> list[str]:
-    """The load knob's values worth searching for `problem` on `gpu`: "desc" where it may run."""
-    try:
-        check_descriptors(problem, gpu)
-    except ValueError:
-        return ["ptr"]
-    return ["ptr", "desc"]
-
-
 def _check_fp8(variant: PrefillVariant, problem: Problem, gpu: Gpu) -> None:
     """What an fp8 Problem adds: padded batches, bf16 output, key tiles of at least 32 (e4m3
     products need K >= 32 on NVIDIA GPUs; checked on every backend so that the interpreter runs
@@ -191,29 +156,6 @@ def _check_fp8(variant: PrefillVariant, problem: Problem, gpu: Gpu) -> None:
             f"problem.fp8: e4m3 tensor-core products need compute capability 8.9 or newer, "
             f"{gpu.name} has {gpu.capability}"
         )
-
-
-def _check_ws(problem: Problem, gpu: Gpu) -> None:
-    """Where schedule "ws" runs: Hopper's wgmma and TMA (sm_90; not the interpreter, which cannot
-    run Gluon), Gluon as of Triton 3.6, 16-bit or FP8 inputs whose rows TMA can address, head dims
-    its register budget was sized for, and dense batches (varlen takes schedule "fa2")."""
-    if gpu.backend != "cuda" or gpu.capability != (9, 0):
-        where = "Triton's interpreter" if gpu.backend == "interpreter" else f"{gpu.name} {gpu.capability}"
-        raise ValueError(f"variant.schedule: 'ws' needs a Hopper GPU (sm_90), not {where}")
-    if _triton_version(gpu.triton_version) < (3, 6):
-        raise ValueError(
-            f"variant.schedule: 'ws' is written for Triton >= 3.6's Gluon, not {gpu.triton_version}"
-        )
-    if problem.dtype not in ("float16", "bfloat16"):
-        raise ValueError(f"variant.schedule: 'ws' takes float16 or bfloat16 inputs, got {problem.dtype}")
-    if problem.head_dim not in WS_HEAD_DIMS:
-        raise ValueError(
-            f"variant.schedule: 'ws' takes head dims {WS_HEAD_DIMS}, got {problem.head_dim} ('fa2' runs it)"
-        )
-    if problem.varlen:
-        raise ValueError("variant.schedule: 'ws' runs dense batches; varlen takes 'fa2'")
-    if not problem.aligned:
-        raise ValueError("variant.schedule: 'ws' loads by TMA, which needs 16-byte aligned bases and strides")
 
 
 def _ws_constraint(variant: PrefillVariant, problem: Problem, gpu: Gpu) -> str | None:
@@ -252,7 +194,7 @@ def _ws_default(problem: Problem, gpu: Gpu) -> PrefillVariant | None:
     and its launch, which encodes four TMA descriptors, costs twice FA2's
     (benchmarks/results/launch_h100.md)."""
     try:
-        _check_ws(problem, gpu)
+        check_ws(problem, gpu)
     except ValueError:
         return None
     if problem.batch * problem.num_heads_q * -(-problem.seqlen_q // 128) < gpu.sm_count:
@@ -312,14 +254,6 @@ def fa2_default(problem: Problem, gpu: Gpu) -> PrefillVariant:
     return PrefillVariant(block_m=64, block_n=32, num_warps=4, num_stages=2)
 
 
-def _triton_version(text: str) -> tuple[int, int]:
-    try:
-        major, minor = text.split(".")[:2]
-        return int(major), int(minor)
-    except ValueError:
-        return (0, 0)
-
-
 class PrefillFamily:
     name = "prefill"
     template = "attention_fwd.py.j2"
@@ -350,7 +284,7 @@ class PrefillFamily:
         if not isinstance(variant, PrefillVariant):
             raise ValueError(f"variant: expected a PrefillVariant, got {type(variant).__name__}")
         if variant.schedule == "ws":
-            _check_ws(problem, gpu)
+            check_ws(problem, gpu)
         if problem.fp8:
             _check_fp8(variant, problem, gpu)
         elif not variant.p_fp8 or variant.v_trans:
@@ -373,7 +307,7 @@ class PrefillFamily:
         loads = load_paths(problem, gpu)
         schedules = ["fa2"]
         try:
-            _check_ws(problem, gpu)
+            check_ws(problem, gpu)
             schedules.append("ws")
         except ValueError:
             pass
