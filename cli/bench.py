@@ -178,7 +178,7 @@ def bench_backward(dtype, seqlens, head_dims, causal, tokens, hidden, kv_heads, 
 
 @bench.command("fp8")
 @click.option("--seqlens", callback=parse_ints, default="1024,2048,4096,8192,16384", show_default=True)
-@click.option("--causal", type=click.Choice(["both", "yes", "no"]), default="both", show_default=True)
+@click.option("--causal", type=click.Choice(list(CAUSAL)), default="both", show_default=True)
 @click.option(
     "--tokens", type=int, default=16384, show_default=True, help="Prefill tokens per batch: B = tokens / N."
 )

@@ -32,7 +32,7 @@ _SUITE_OPTIONS = (
         "--seqlens", callback=parse_ints, default="512,1024,2048,4096,8192,16384", show_default=True
     ),
     click.option("--head-dims", callback=parse_ints, default="64,128,256", show_default=True),
-    click.option("--causal", type=click.Choice(["both", "yes", "no"]), default="both", show_default=True),
+    click.option("--causal", type=click.Choice(list(CAUSAL)), default="both", show_default=True),
     click.option(
         "--tokens", type=int, default=16384, show_default=True, help="Tokens per batch: B = tokens / N."
     ),

@@ -27,7 +27,7 @@ from tunegen.cli.text import problem_text, speed, variant_text
     "--family", type=click.Choice(["prefill", "decode", "backward"]), default="prefill", show_default=True
 )
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
-@click.option("--causal", type=click.Choice(["both", "yes", "no"]), default="yes", show_default=True)
+@click.option("--causal", type=click.Choice(list(CAUSAL)), default="yes", show_default=True)
 @click.option(
     "--batches",
     callback=parse_ints,

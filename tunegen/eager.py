@@ -100,6 +100,7 @@ def attention_eager(
 def attention_problem(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, causal: bool, return_lse: bool
 ) -> Problem:
+    """The Problem a call of `attention` on these tensors is dispatched under (sizes bucketed)."""
     return Problem(
         family="prefill",
         dtype=DTYPE_NAMES[q.dtype],
@@ -116,6 +117,7 @@ def attention_problem(
 
 
 def varlen_problem(q, k, v, out, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, return_lse) -> Problem:
+    """The Problem a call of `attention_varlen` is dispatched under (batch and maxima bucketed)."""
     return Problem(
         family="prefill",
         dtype=DTYPE_NAMES[q.dtype],
