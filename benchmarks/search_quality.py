@@ -26,8 +26,9 @@ import torch
 from tunegen.kernels.families import base, get
 from tunegen.kernels.gpu import cuda_gpu
 from tunegen.kernels.problem import Problem
+from tunegen.tuning.study import study_name
 from tunegen.tuning.trial import evaluate_task
-from tunegen.tuning.tuner import TuneOptions, Tuner, study_name
+from tunegen.tuning.tuner import TuneOptions, Tuner
 from tunegen.tuning.workers import Worker
 
 PROBLEMS = {

@@ -58,7 +58,19 @@ from tunegen.cli.text import problem_text, speed, variant_text
     "--sampler", type=click.Choice(["tpe", "random", "grid", "cmaes", "gp"]), default="tpe", show_default=True
 )
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--workers", type=int, default=None, help="Compile processes (default: CPU count, at most 16).")
+@click.option(
+    "--gpus",
+    default=None,
+    metavar="all|N|0,2,5",
+    help="GPUs to tune on, one process each, sharing the trials: all, the first N, or these indices "
+    "(one: '3,'). Default: the current GPU. Under --dry-run, N interpreter stand-ins.",
+)
+@click.option(
+    "--workers",
+    type=int,
+    default=None,
+    help="Compile processes in all, spread over the GPUs (default: the CPU count, at most 16 per GPU).",
+)
 @click.option(
     "--trial-timeout",
     type=float,
@@ -91,6 +103,7 @@ def tune(
     timeout,
     sampler,
     seed,
+    gpus,
     workers,
     trial_timeout,
     dry_run,
@@ -105,9 +118,8 @@ def tune(
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
     from rich.table import Table
 
-    from tunegen.kernels.gpu import cuda_gpu, interpreter_gpu
-    from tunegen.tuning import presets
-    from tunegen.tuning.tuner import TuneOptions, Tuner
+    from tunegen.tuning import host, presets
+    from tunegen.tuning.tuner import TuneOptions
     from tunegen.tuning_db import TuningDbError
 
     try:
@@ -138,17 +150,22 @@ def tune(
             "[yellow]No GPU (or --dry-run): tuning tiny shapes under Triton's interpreter; "
             "stored as backend 'interpreter', never used on a GPU.[/yellow]"
         )
-    gpu = interpreter_gpu() if interpret else cuda_gpu(torch.cuda.current_device())
+    try:
+        ranks = _ranks(gpus, interpret)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc).removeprefix("gpus: "), param_hint="--gpus") from None
+    per_rank = max(1, (workers or min(16 * len(ranks), os.cpu_count() or 1)) // len(ranks))
     options = TuneOptions(
         trials=trials,
         timeout=timeout,
         sampler=sampler,
         seed=seed,
-        workers=workers or min(16, os.cpu_count() or 1),
+        workers=per_rank,
         trial_timeout=trial_timeout,
         url=db_url,
     )
-    outcomes = []
+    by_gpu = host.groups(ranks)
+    where = {gpu: f"{gpu.name} ({_devices(members, interpret)})" for gpu, members in by_gpu.items()}
     columns = (
         TextColumn("{task.description}"),
         BarColumn(),
@@ -157,35 +174,40 @@ def tune(
         TimeElapsedColumn(),
         TimeRemainingColumn(),
     )
-    try:
-        with Tuner(gpu, options) as tuner, Progress(*columns, console=console) as progress:
-            for problem in todo:
-                label = problem_text(problem.as_dict())
-                task = progress.add_task(label, total=options.trials, best="")
+    with Progress(*columns, console=console) as progress:
+        tasks = {
+            (gpu, j): progress.add_task(
+                problem_text(p.as_dict()) + (f" on {where[gpu]}" if len(ranks) > 1 else ""),
+                total=options.trials,
+                best="",
+            )
+            for gpu in by_gpu
+            for j, p in enumerate(todo)
+        }
 
-                def report(state, task=task):
-                    best = f"best {state['best_rate']:.0f} {state['unit']}" if state["best_rate"] else ""
-                    progress.update(task, completed=min(state["evaluated"], options.trials), best=best)
+        def report(gpu, j, state):
+            best = f"best {state['best_rate']:.0f} {state['unit']}" if state["best_rate"] else ""
+            progress.update(tasks[(gpu, j)], completed=min(state["evaluated"], options.trials), best=best)
 
-                outcomes.append(tuner.tune(problem, report))
-    except (TuningDbError, ValueError) as exc:
-        raise click.ClickException(str(exc)) from None
-    table = Table(title=f"tuned on {gpu.name} (Triton {gpu.triton_version})")
-    for col in (
-        "problem",
-        "winner",
-        "speed",
-        "best peer",
-        "speedup",
-        "trials",
-        "failed",
-        "recorded",
-        "time",
-    ):
+        def finished(gpu, j, outcome):
+            progress.update(tasks[(gpu, j)], completed=options.trials)
+
+        try:
+            outcomes = host.tune_on(todo, ranks, options, report, finished)
+        except (TuningDbError, ValueError, host.HostError) as exc:
+            raise click.ClickException(str(exc)) from None
+    first = next(iter(by_gpu))
+    names = ", ".join(where.values()) if len(ranks) > 1 else first.name
+    table = Table(title=f"tuned on {names} (Triton {first.triton_version})")
+    headers = ["problem", "winner", "speed", "best peer", "speedup", "trials", "failed", "recorded", "time"]
+    for col in (["gpu"] if len(ranks) > 1 else []) + headers:
         table.add_column(col)
-    for o in outcomes:
+    for (gpu, _), o in sorted(
+        outcomes.items(), key=lambda item: (list(by_gpu).index(item[0][0]), item[0][1])
+    ):
         w = o.winner
         table.add_row(
+            *([where[gpu]] if len(ranks) > 1 else []),
             problem_text(o.problem.as_dict()),
             variant_text(w.variant) if w else "none found",
             speed(w) if w else "-",
@@ -197,3 +219,24 @@ def tune(
             f"{o.wall_s:.0f} s",
         )
     console.print(table)
+
+
+def _ranks(spec: str | None, interpret: bool) -> list:
+    """The GPUs to tune on: `--gpus` among this host's CUDA devices, or interpreter stand-ins."""
+    import torch
+
+    from tunegen.kernels.gpu import cuda_gpu, interpreter_gpu
+    from tunegen.tuning import host
+
+    if interpret:
+        count = 1 if spec in (None, "all") else len(host.select(spec, 64))
+        return [host.Rank(i, None, interpreter_gpu()) for i in range(count)]
+    if spec is None:
+        current = torch.cuda.current_device()
+        return [host.Rank(current, None, cuda_gpu(current))]
+    return host.cuda_ranks(host.select(spec, torch.cuda.device_count()), cuda_gpu)
+
+
+def _devices(ranks: list, interpret: bool) -> str:
+    indices = ",".join(str(r.index) for r in ranks)
+    return f"{len(ranks)} stand-in(s)" if interpret else f"GPU {indices}"

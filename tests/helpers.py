@@ -1,5 +1,5 @@
 """Shared test helpers: fresh random inputs (packed sequences, KV caches), poisoned outputs, float64
-comparisons."""
+comparisons, Winners recorded for dispatch to find."""
 
 from __future__ import annotations
 
@@ -7,10 +7,12 @@ import torch
 
 from tunegen.checks import is_aligned16
 from tunegen.eager import backend_for
+from tunegen.kernels.database import gpu_record
 from tunegen.kernels.families import base, prefill
-from tunegen.kernels.gpu import gpu_of
+from tunegen.kernels.gpu import gpu_of, interpreter_gpu
 from tunegen.kernels.problem import DTYPE_NAMES, Problem, bucket
 from tunegen.kernels.reference import attention_reference
+from tunegen.tuning_db import Store, WinnerRecord
 
 # Relative error bounds ‖out − ref‖/‖ref‖ against float64, as tight as each dtype allows: the
 # probabilities are rounded to the input dtype before the second product, and so is the output.
@@ -165,3 +167,31 @@ def qkv_dout(batch, hq, hkv, nq, nk, d, dtype, device, seed):
 def dispatch_interprets() -> bool:
     """Whether CPU tensors run the kernels (under the interpreter) rather than the PyTorch fallback."""
     return backend_for(torch.device("cpu")) == "interpreter"
+
+
+def qkv(n=40, seed=0):
+    """Small GQA float16 inputs on the CPU: batch 2, 4 query and 2 KV heads, head dim 32."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 4, n, 32, generator=gen).half()
+    k = torch.randn(2, 2, n, 32, generator=gen).half()
+    v = torch.randn(2, 2, n, 32, generator=gen).half()
+    return q, k, v
+
+
+def record_winner(url, problem, variant, triton_version=None, ms=1.0):
+    """Record a prefill Winner for the interpreter's Gpu in the database at `url`."""
+    gpu = interpreter_gpu()
+    with Store(url) as store:
+        store.record_winner(
+            WinnerRecord(
+                gpu=gpu_record(gpu),
+                family="prefill",
+                problem=problem,
+                variant=variant,
+                median_ms=ms,
+                rel_err=1e-3,
+                triton_version=triton_version or gpu.triton_version,
+                torch_version="2.13",
+                template_hash="h",
+            )
+        )

@@ -1,5 +1,7 @@
 """Dispatch serves Winners: exact Problem, else the nearest bucket with the same features, else
-the default; once per Problem, then a dict lookup. explain() says which and why."""
+the default; from a snapshot of the Winners read once per process and Gpu (until forget()), with
+ties broken by a stable rule; once per Problem, then a dict lookup. explain() says which and why.
+(tests/kernels/test_ranks_agree.py: the ranks of a torch.distributed job share one snapshot.)"""
 
 from __future__ import annotations
 
@@ -11,13 +13,11 @@ import pytest
 import torch
 
 import tunegen
-from helpers import REL_TOL, rel_err
-from tunegen.kernels import dispatch
-from tunegen.kernels.database import gpu_record
+from helpers import REL_TOL, qkv, record_winner, rel_err
+from tunegen.eager import attention_problem
+from tunegen.kernels import dispatch, snapshot
 from tunegen.kernels.families.prefill import PrefillVariant
-from tunegen.kernels.gpu import interpreter_gpu
 from tunegen.kernels.reference import attention_reference
-from tunegen.tuning_db import Store, WinnerRecord
 
 
 @pytest.fixture(autouse=True)
@@ -28,32 +28,6 @@ def fresh(tmp_path, monkeypatch):
     dispatch.forget()
     yield url
     dispatch.forget()
-
-
-def qkv(n=40, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(2, 4, n, 32, generator=gen).half()
-    k = torch.randn(2, 2, n, 32, generator=gen).half()
-    v = torch.randn(2, 2, n, 32, generator=gen).half()
-    return q, k, v
-
-
-def record(url, problem, variant, triton_version=None, ms=1.0):
-    gpu = interpreter_gpu()
-    with Store(url) as store:
-        store.record_winner(
-            WinnerRecord(
-                gpu=gpu_record(gpu),
-                family="prefill",
-                problem=problem,
-                variant=variant,
-                median_ms=ms,
-                rel_err=1e-3,
-                triton_version=triton_version or gpu.triton_version,
-                torch_version="2.13",
-                template_hash="h",
-            )
-        )
 
 
 TUNED = {
@@ -80,7 +54,7 @@ def test_an_exact_winner_is_served_and_computes_the_same_function(fresh):
     q, k, v = qkv()
     problem = tunegen.explain(q, k, v, causal=True)["problem"]
     dispatch.forget()
-    record(fresh, problem, TUNED)
+    record_winner(fresh, problem, TUNED)
     info = tunegen.explain(q, k, v, causal=True)
     assert info["source"] == "winner" and not info["stale"]
     assert info["variant"] == PrefillVariant(**TUNED).as_dict(), "knobs a Winner lacks take their defaults"
@@ -93,9 +67,9 @@ def test_the_nearest_bucket_with_the_same_features(fresh):
     q, k, v = qkv(n=40)  # bucket 64
     problem = tunegen.explain(q, k, v)["problem"]
     dispatch.forget()
-    record(fresh, {**problem, "seqlen_q": 256, "seqlen_k": 256}, TUNED)
-    record(fresh, {**problem, "seqlen_q": 32, "seqlen_k": 32}, {**TUNED, "block_n": 32})
-    record(fresh, {**problem, "causal": True}, {**TUNED, "block_m": 32})  # other features: never used
+    record_winner(fresh, {**problem, "seqlen_q": 256, "seqlen_k": 256}, TUNED)
+    record_winner(fresh, {**problem, "seqlen_q": 32, "seqlen_k": 32}, {**TUNED, "block_n": 32})
+    record_winner(fresh, {**problem, "causal": True}, {**TUNED, "block_m": 32})  # other features: never used
     info = tunegen.explain(q, k, v)
     assert (
         info["source"] == "nearest" and info["variant"]["block_n"] == 32 and info["variant"]["block_m"] == 16
@@ -107,7 +81,7 @@ def test_a_winner_more_than_one_doubling_away_is_not_used(fresh):
     q, k, v = qkv(n=40)  # bucket 64
     problem = tunegen.explain(q, k, v)["problem"]
     dispatch.forget()
-    record(fresh, {**problem, "seqlen_q": 256, "seqlen_k": 256}, TUNED)  # two doublings of each length
+    record_winner(fresh, {**problem, "seqlen_q": 256, "seqlen_k": 256}, TUNED)  # two doublings of each length
     info = tunegen.explain(q, k, v)
     assert info["source"] == "default" and "more than one size doubling away" in info["reason"]
 
@@ -116,7 +90,7 @@ def test_a_winner_from_another_triton_is_used_with_one_warning(fresh):
     q, k, v = qkv()
     problem = tunegen.explain(q, k, v)["problem"]
     dispatch.forget()
-    record(fresh, problem, TUNED, triton_version="2.9.9")
+    record_winner(fresh, problem, TUNED, triton_version="2.9.9")
     with pytest.warns(dispatch.StaleWinnerWarning, match="tuned under Triton 2.9.9"):
         out = tunegen.attention(q, k, v)
     with warnings.catch_warnings():
@@ -132,7 +106,7 @@ def test_a_winner_this_release_cannot_take_is_skipped(fresh):
     q, k, v = qkv()
     problem = tunegen.explain(q, k, v)["problem"]
     dispatch.forget()
-    record(fresh, problem, {**TUNED, "warp_specialize": True})
+    record_winner(fresh, problem, {**TUNED, "warp_specialize": True})
     assert tunegen.explain(q, k, v)["source"] == "default"
 
 
@@ -142,18 +116,60 @@ def test_an_unusable_database_falls_back_to_defaults_loudly(tmp_path, monkeypatc
     with pytest.warns(UserWarning, match="tuned winners unavailable"):
         info = tunegen.explain(*qkv())
     assert info["source"] == "default" and "database unavailable" in info["reason"]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="tunegen: tuned winners unavailable")
+        info = tunegen.explain(*qkv(n=100))  # another Problem: the same snapshot, no second warning
+    assert info["source"] == "default" and "database unavailable" in info["reason"]
 
 
-def test_the_database_is_read_once_per_problem(monkeypatch, caplog):
-    calls = []
-    real = dispatch.winners_for
-    monkeypatch.setattr(dispatch, "winners_for", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    q, k, v = qkv()
+def test_the_database_is_read_once_per_process_and_gpu(monkeypatch, caplog):
+    opened = []
+    real = snapshot.open_store
+    monkeypatch.setattr(snapshot, "open_store", lambda *a, **kw: opened.append(1) or real(*a, **kw))
     with caplog.at_level(logging.INFO, logger="tunegen"):
-        for _ in range(3):
-            tunegen.attention(q, k, v)
-    assert len(calls) == 2, "one exact and one nearest-bucket lookup, on the first call only"
-    assert sum("tunegen dispatch" in r.message for r in caplog.records) == 1
+        for n in (40, 100, 40, 100):  # two Problems (buckets 64 and 128)
+            tunegen.attention(*qkv(n=n))
+    assert len(opened) == 1, "one reading of every Winner for the Gpu, at the first call"
+    assert sum("tunegen dispatch" in r.message for r in caplog.records) == 2, "one choice per Problem"
+    dispatch.forget()
+    tunegen.attention(*qkv())
+    assert len(opened) == 2, "forget() drops the snapshot too"
+
+
+def test_a_winner_recorded_after_the_first_use_waits_for_forget(fresh):
+    first, later = qkv(n=40), qkv(n=100)
+    assert tunegen.explain(*first)["source"] == "default"  # the Gpu's snapshot is taken here
+    record_winner(fresh, attention_problem(*later, later[0], False, False).as_dict(), TUNED)
+    info = tunegen.explain(*later)
+    assert info["source"] == "default", "a Problem first met after the Winner was recorded: the same snapshot"
+    dispatch.forget()
+    assert tunegen.explain(*later)["source"] == "winner"
+
+
+@pytest.mark.parametrize("kind", ["exact", "nearest"])
+def test_ties_do_not_depend_on_the_order_winners_were_recorded(tmp_path, monkeypatch, kind):
+    """Two Winners that tie on distance, Triton version, origin and time: recorded A then B in one
+    database and B then A in another, both give the same choice."""
+    q, k, v = qkv(n=40)  # bucket 64
+    problem = tunegen.explain(q, k, v)["problem"]
+    if kind == "exact":  # one Problem tuned under two other Triton versions
+        a = (problem, TUNED, "3.0.0")
+        b = (problem, {**TUNED, "block_n": 32}, "3.1.0")
+    else:  # one doubling below and one above the call's bucket
+        a = ({**problem, "seqlen_q": 32, "seqlen_k": 32}, TUNED, None)
+        b = ({**problem, "seqlen_q": 128, "seqlen_k": 128}, {**TUNED, "block_n": 32}, None)
+    chosen = []
+    for name, order in (("ab", (a, b)), ("ba", (b, a))):
+        url = f"sqlite:///{tmp_path / name}.db"
+        for tuned_for, variant, triton_version in order:
+            record_winner(url, tuned_for, variant, triton_version)
+        monkeypatch.setenv("TUNEGEN_DB", url)
+        dispatch.forget()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", dispatch.StaleWinnerWarning)
+            info = tunegen.explain(q, k, v)
+        chosen.append((info["source"], info["variant"], info["winner"]["problem"]))
+    assert chosen[0] == chosen[1] and chosen[0][0] == ("winner" if kind == "exact" else "nearest")
 
 
 def test_explain_takes_varlen_arguments_and_the_fallback():

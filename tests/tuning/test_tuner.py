@@ -18,7 +18,8 @@ from tunegen.kernels.families import prefill
 from tunegen.kernels.gpu import interpreter_gpu
 from tunegen.kernels.reference import TOLERANCE
 from tunegen.tuning.presets import dry_run, parse_shape, preset, problems
-from tunegen.tuning.tuner import TuneOptions, Tuner, make_sampler, study_name
+from tunegen.tuning.study import make_sampler, study_name
+from tunegen.tuning.tuner import TuneOptions, Tuner
 from tunegen.tuning.workers import Worker, WorkerPool
 from tunegen.tuning_db import FailureRecord, Store
 
@@ -60,8 +61,9 @@ def test_workers_survive_crashes_and_hangs():
         worker.close()
     pool = WorkerPool(2, interpret=True)
     try:
-        results = pool.map(_echo, [{"i": i} for i in range(5)], timeout=60)
-        assert [r["i"] for r in results] == list(range(5))
+        futures = [pool.submit(_echo, {"i": i}, timeout=60) for i in range(5)]
+        results = [f.result() for f in futures]
+        assert [r["i"] for r in results] == list(range(5)) and len({r["pid"] for r in results}) == 2
     finally:
         pool.close()
 

@@ -35,6 +35,7 @@ LIBRARY = (
     ("tunegen.kernels.dispatch", "NEAREST_MAX_DISTANCE", "NEAREST_MAX_DISTANCE"),
     ("tunegen.kernels.dispatch", "StaleWinnerWarning", "StaleWinnerWarning"),
     ("tunegen.kernels.dispatch", "_distance", "distance"),
+    ("tunegen.kernels.dispatch", "preference", "preference"),
     ("tunegen.kernels.gpu", "Gpu", "Gpu"),
     ("tunegen.kernels.gpu", "gpu_of", "gpu_of"),
     ("tunegen.kernels.problem", "Problem", "Problem"),

@@ -86,8 +86,8 @@ def select(
     allow_mixed_gpus: bool = False,
 ) -> Selection:
     """The Winners to export: those of `families` (default: every family) on the GPU named
-    `gpu_name` (default: every GPU; more than one is refused unless `allow_mixed_gpus`), newest
-    first as the store gives them, which is the order dispatch breaks ties in."""
+    `gpu_name` (default: every GPU; more than one is refused unless `allow_mixed_gpus`), one per
+    GPU and Problem, chosen by dispatch's rule."""
     wanted = wanted_families(families)
     winners = [w for w in store.winners(gpu_name=gpu_name) if w.family in wanted]
     if not winners:
@@ -99,7 +99,7 @@ def select(
             "--allow-mixed-gpus to export each GPU's winners under its own identity in one table"
         )
     groups: dict[tuple, list[WinnerRecord]] = {}
-    for w in winners:  # newest first, as the store returns them
+    for w in winners:
         groups.setdefault((w.gpu.identity(), canonical(w.problem)), []).append(w)
     selected, skipped = [], []
     for group in groups.values():
@@ -123,6 +123,6 @@ def _choose(group: list[WinnerRecord]) -> Selected | str:
     usable = dispatch._usable(group, problem, gpu)
     if not usable:
         return f"its Variant is not valid for this release on {gpu.name}"
-    winner, variant = dispatch._prefer_current(usable, gpu)
+    winner, variant, _ = dispatch._best(usable, problem, gpu)
     rendered = render(family.template, family.name, variant, family.features(problem, gpu))
     return Selected(winner, problem, variant, gpu, family.template, rendered)

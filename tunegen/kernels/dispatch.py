@@ -1,12 +1,16 @@
 """Dispatch: the kernel that serves a Problem on a Gpu.
 
-The first call for a (Problem, Gpu) looks for a Winner (the user's database, then the shipped
-winners): for exactly this Problem, else for the nearest bucket with the same features (at most
-one doubling of each size away), else it takes the family's default Variant. It builds that
-kernel once, under a lock; every later call is a dict lookup. The public functions keep, per
-exact input signature, the kernel's bound call (tunegen.kernels.launcher), so a repeated call is one
-lookup and the compiled kernel's own launch. Winners tuned under another Triton version are
-used, with one warning.
+The first call for a (Problem, Gpu) looks for a Winner in the Gpu's snapshot (tunegen.kernels.snapshot:
+the user's database and the shipped winners, read at the first dispatch on that Gpu and, in a
+torch.distributed job, shared by every rank): for exactly this Problem, else for the nearest
+bucket with the same features (at most one doubling of each size away), else it takes the family's
+default Variant. Among several Winners, `preference` decides by a stable rule (nearest, this
+Triton version's, the user's own before shipped, fastest, then canonical JSON), never by when they
+were recorded, so every process holding the same snapshot serves the same Variant. It builds that
+kernel once, under a lock; every later call is a dict lookup. The public functions keep, per exact
+input signature, the kernel's bound call (tunegen.kernels.launcher), so a repeated call is one
+lookup and the compiled kernel's own launch. Winners tuned under another Triton version are used,
+with one warning. forget() drops all of it, snapshot included.
 """
 
 from __future__ import annotations
@@ -18,13 +22,14 @@ import os
 import threading
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
-from tunegen.kernels.database import winners_for
+from tunegen.kernels import snapshot
 from tunegen.kernels.families import base, get
 from tunegen.kernels.gpu import Gpu
 from tunegen.kernels.problem import Problem
-from tunegen.tuning_db import TuningDbError, WinnerRecord
+from tunegen.tuning_db import WinnerRecord
+from tunegen.tuning_db.records import canonical
 
 log = logging.getLogger("tunegen")
 if os.environ.get("TUNEGEN_LOG"):
@@ -75,9 +80,17 @@ def _distance(problem: Problem, other: dict) -> float:
     return total
 
 
+class Candidate(NamedTuple):
+    """A Winner this release can serve, its Variant, and whether it was shipped with tunegen."""
+
+    winner: WinnerRecord
+    variant: base.Variant
+    shipped: bool = False
+
+
 def _usable(
-    winners: list[WinnerRecord], problem: Problem, gpu: Gpu
-) -> list[tuple[WinnerRecord, base.Variant]]:
+    winners: list[WinnerRecord], problem: Problem, gpu: Gpu, *, shipped: bool = False
+) -> list[Candidate]:
     family = get(problem.family)
     out = []
     for w in winners:
@@ -86,50 +99,82 @@ def _usable(
             family.check_variant(variant, problem, gpu)
         except (ValueError, TypeError):
             continue  # a Variant this release cannot take: fall through to the next candidate
-        out.append((w, variant))
+        out.append(Candidate(w, variant, shipped))
     return out
 
 
-def _prefer_current(pairs: list[tuple[WinnerRecord, base.Variant]], gpu: Gpu):
-    """This Triton version's winner if there is one, else the newest from another version."""
-    current = [p for p in pairs if p[0].triton_version == gpu.triton_version]
-    return (current or pairs)[0]
+def preference(problem: Problem, gpu: Gpu, tuned: dict[str, Any], shipped: bool = False) -> tuple:
+    """Where a Winner stands for `problem` on `gpu`, as a sort key (the smallest is served).
+
+    `tuned` holds the Problem it was tuned for ("problem"), its Variant with every knob
+    ("variant"), "triton_version" and "median_ms", as a row of an exported package's table does.
+    The nearest bucket first (an exact Winner is at distance 0), then this Triton version's, the
+    user's own before shipped ones, the fastest, and last the canonical JSON of Problem and
+    Variant: never when it was recorded or where a database lists it, so that processes holding
+    the same Winners choose the same one.
+    """
+    return (
+        _distance(problem, tuned["problem"]),
+        tuned["triton_version"] != gpu.triton_version,
+        shipped,
+        tuned["median_ms"],
+        canonical(tuned["problem"]),
+        canonical(tuned["variant"]),
+    )
+
+
+def _best(candidates: list[Candidate], problem: Problem, gpu: Gpu) -> Candidate:
+    """The candidate dispatch serves: the first by `preference`."""
+
+    def key(c: Candidate) -> tuple:
+        w = c.winner
+        tuned = {
+            "problem": w.problem,
+            "variant": c.variant.as_dict(),
+            "triton_version": w.triton_version,
+            "median_ms": w.median_ms,
+        }
+        return preference(problem, gpu, tuned, c.shipped)
+
+    return min(candidates, key=key)
+
+
+def _candidates(
+    winners: snapshot.Snapshot, problem: Problem, gpu: Gpu, *, same_features: bool = False
+) -> list[Candidate]:
+    user, shipped = winners.matching(problem, same_features=same_features)
+    return _usable(user, problem, gpu) + _usable(shipped, problem, gpu, shipped=True)
 
 
 def choose(problem: Problem, gpu: Gpu) -> Choice:
     """Find and build what serves `problem` on `gpu` (the slow path, once per Problem)."""
     family = get(problem.family)
-    try:
-        exact = _usable(winners_for(gpu, problem), problem, gpu)
-        nearby = [] if exact else _usable(winners_for(gpu, problem, same_features=True), problem, gpu)
-        too_far = [p for p in nearby if _distance(problem, p[0].problem) > NEAREST_MAX_DISTANCE]
-        nearby = [p for p in nearby if p not in too_far]
-        lookup_error = None
-    except TuningDbError as exc:
-        exact, nearby, too_far, lookup_error = [], [], [], str(exc)
-        warnings.warn(f"tunegen: tuned winners unavailable, using default Variants: {exc}", stacklevel=3)
+    winners = snapshot.for_gpu(gpu)
+    exact = _candidates(winners, problem, gpu)
+    same_features = [] if exact else _candidates(winners, problem, gpu, same_features=True)
+    nearby = [c for c in same_features if _distance(problem, c.winner.problem) <= NEAREST_MAX_DISTANCE]
+    if exact or nearby:
+        winner, variant, _ = _best(exact or nearby, problem, gpu)
+    else:
+        winner, variant = None, family.default_variant(problem, gpu)
     if exact:
-        winner, variant = _prefer_current(exact, gpu)
         source, reason = "winner", f"tuned for this Problem on {winner.gpu.name} ({winner.median_ms:.4g} ms)"
     elif nearby:
-        nearby.sort(
-            key=lambda p: (_distance(problem, p[0].problem), p[0].triton_version != gpu.triton_version)
-        )
-        winner, variant = nearby[0]
         sizes = "x".join(str(winner.problem.get(n)) for n in ("batch", "seqlen_q", "seqlen_k"))
         source, reason = (
             "nearest",
             f"tuned for the nearest bucket with the same features (B x Nq x Nk = {sizes})",
         )
     else:
-        winner, variant = None, family.default_variant(problem, gpu)
         source = "default"
         reason = (
             f"no tuned winner for this Problem's features on {gpu.name}: the {gpu.arch} default for head dim "
-            f"{problem.head_dim}" + (f" (database unavailable: {lookup_error})" if lookup_error else "")
+            f"{problem.head_dim}" + (f" (database unavailable: {winners.error})" if winners.error else "")
         )
-        if too_far:
-            reason += f"; {len(too_far)} winner(s) with these features are more than one size doubling away"
+        if same_features:
+            reason += (
+                f"; {len(same_features)} winner(s) with these features are more than one size doubling away"
+            )
     stale = winner is not None and winner.triton_version != gpu.triton_version
     if stale:
         reason += f"; tuned under Triton {winner.triton_version}, running {gpu.triton_version} (stale)"
@@ -172,7 +217,10 @@ def kernel_for(problem: Problem, gpu: Gpu) -> base.Kernel:
 
 
 def forget() -> None:
-    """Drop every cached choice (after tuning in this process, say), so the next call looks again."""
+    """Drop every cached choice and the Winners' snapshot (after tuning in this process, say), so
+    the next call reads the database again; in a torch.distributed job, call it on every rank in
+    step and the ranks share the new snapshot too."""
     with _LOCK:
         _CHOICES.clear()
         fast_calls.clear()
+        snapshot.forget()

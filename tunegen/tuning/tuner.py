@@ -1,27 +1,31 @@
 """The tuner: an Optuna search over a family's Variants for each (Gpu, Problem), recorded in the
 tuning database.
 
-Each round asks the sampler for a batch of trials, prunes those the family's cheap constraints
-reject (or that already failed, or that another fleet worker is running), compiles the rest in
-parallel worker processes, then verifies and times them one at a time on the GPU in a timing
-worker. Failures are recorded with their reason and never retried. The study lives in the same
-database, so an interrupted run resumes and several workers share one search.
+A search keeps every compile worker busy: whenever one is free it asks the sampler for the next
+trial, prunes what the family's cheap constraints reject (or what failed before, or what another
+process holds), and compiles it; compiled Variants are verified and timed one at a time on the
+GPU, in the timing worker, while others compile. Failures are recorded with their reason and
+never retried. The study lives in the tuning database, so an interrupted run resumes and several
+processes share one search (the ranks of `tunegen tune --gpus`, or the hosts of a fleet; see
+study.py for how they divide it). Finishing a Problem waits for the trials other processes still
+hold, re-times the fastest few and records the Winner.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
-import hashlib
 import os
-import re
 import socket
 import time
-import warnings
+import uuid
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 import optuna
 import torch
+from optuna.trial import TrialState
 
 from tunegen.kernels.database import database_url, gpu_record, open_store
 from tunegen.kernels.families import get
@@ -30,20 +34,23 @@ from tunegen.kernels.gpu import Gpu, driver_version
 from tunegen.kernels.problem import Problem
 from tunegen.kernels.render import template_hash
 from tunegen.kernels.variant import Variant
+from tunegen.tuning import study as studies
 from tunegen.tuning.timing import rate
 from tunegen.tuning.trial import compile_task, evaluate_task, peers_task
 from tunegen.tuning.workers import Worker, WorkerPool
 from tunegen.tuning_db import FailureRecord, WinnerRecord
 
-SAMPLERS = ("tpe", "random", "grid", "cmaes", "gp")
-STALE_AFTER_S = 3600.0
 FINALISTS = 3
 FINAL_REP_MS = 400.0
+# Rounds of waiting for other processes' trials, then evaluating the queued copies of abandoned ones.
+SETTLE_ROUNDS = 3
 
 
 @dataclasses.dataclass(frozen=True)
 class TuneOptions:
-    """How hard to search: evaluated trials per Problem, a time limit per Problem, the sampler."""
+    """How hard to search: evaluated trials per Problem, a time limit per Problem, the sampler;
+    compile workers; how long a trial may take; and the heartbeat that tells a dead process's
+    trials from live ones (a trial not heard from for `grace_s` seconds is failed and queued again)."""
 
     trials: int = 40
     timeout: float | None = None
@@ -52,13 +59,16 @@ class TuneOptions:
     workers: int = 8
     trial_timeout: float = 120.0
     url: str | None = None
+    heartbeat_s: int = 10
+    grace_s: int = 60
 
 
 @dataclasses.dataclass(frozen=True)
 class Outcome:
-    """What tuning one Problem produced."""
+    """What tuning one Problem on one Gpu produced."""
 
     problem: Problem
+    gpu: Gpu
     winner: WinnerRecord | None
     recorded: str | None
     evaluated: int
@@ -67,83 +77,36 @@ class Outcome:
     wall_s: float
 
 
-class _Grid(optuna.samplers.GridSampler):
-    """Optuna's grid without its own stop: Study.stop only works inside optimize(), and the
-    tuner asks and tells, stopping by itself once every grid point was asked."""
-
-    def after_trial(self, study: optuna.Study, trial: Any, state: Any, values: Any) -> None:
-        return None
-
-
-def make_sampler(name: str, seed: int, space: dict[str, list]) -> optuna.samplers.BaseSampler:
-    """The Optuna sampler called `name`, seeded."""
-    if name == "tpe":
-        # group: knobs of one schedule are searched together, apart from another schedule's (an
-        # option Optuna still marks experimental, which users need not be warned about).
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, constant_liar=True)
-    if name == "random":
-        return optuna.samplers.RandomSampler(seed=seed)
-    if name == "grid":
-        return _Grid(space, seed=seed)
-    if name == "cmaes":
-        # CMA-ES has no categorical model: Optuna hands those knobs to its independent sampler.
-        return optuna.samplers.CmaEsSampler(
-            seed=seed, independent_sampler=optuna.samplers.TPESampler(seed=seed)
-        )
-    if name == "gp":
-        return optuna.samplers.GPSampler(seed=seed)
-    raise ValueError(f"sampler: expected one of {SAMPLERS}, got {name!r}")
-
-
-def study_name(gpu: Gpu, problem: Problem, sampler: str) -> str:
-    """One study per (Gpu, Problem, Triton version, sampler): what fleet workers share."""
-    slug = re.sub(r"[^a-z0-9]+", "-", gpu.name.lower()).strip("-")
-    digest = hashlib.sha256(problem.to_json().encode()).hexdigest()[:16]
-    return f"tunegen-{problem.family}-{slug}-{gpu.backend}-triton{gpu.triton_version}-{sampler}-{digest}"
-
-
-def _owner() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
-
-
-def _fail_stale(study: optuna.Study) -> None:
-    """Trials left running by a process that died (this host), or by anyone an hour ago, failed."""
-    host = socket.gethostname()
-    now = time.time()
-    for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
-        owner = trial.user_attrs.get("owner", "")
-        started = trial.datetime_start.timestamp() if trial.datetime_start else now
-        dead = False
-        if owner.startswith(host + ":"):
-            try:
-                os.kill(int(owner.rsplit(":", 1)[1]), 0)
-            except (ProcessLookupError, ValueError):
-                dead = True
-        if dead or now - started > STALE_AFTER_S:
-            study.tell(trial.number, state=optuna.trial.TrialState.FAIL)
-
-
 class Tuner:
     """Tunes Problems on one Gpu; holds the worker processes and the database between Problems."""
 
     def __init__(self, gpu: Gpu, options: TuneOptions) -> None:
-        if options.sampler not in SAMPLERS:
-            raise ValueError(f"sampler: expected one of {SAMPLERS}, got {options.sampler!r}")
+        if options.sampler not in studies.SAMPLERS:
+            raise ValueError(f"sampler: expected one of {studies.SAMPLERS}, got {options.sampler!r}")
         if options.trials < 1:
             raise ValueError(f"trials: expected at least 1, got {options.trials}")
+        if not 0 < options.heartbeat_s < options.grace_s:
+            raise ValueError(
+                f"heartbeat_s, grace_s: expected 0 < heartbeat_s < grace_s, got {options.heartbeat_s}, "
+                f"{options.grace_s}"
+            )
         self.gpu = gpu
         self.options = options
         self.url = database_url(options.url)
         self.store = open_store(self.url)
-        self.storage = optuna.storages.RDBStorage(self.url)
+        self.storage = studies.storage(self.url, options.heartbeat_s, options.grace_s)
+        self.heartbeat = studies.Heartbeat(self.storage, options.heartbeat_s)
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         interpret = gpu.backend == "interpreter"
         self.pool = WorkerPool(options.workers, interpret=interpret)
         self.timer = Worker(interpret=interpret)
+        self._timing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tunegen-timing")
         self.record = gpu_record(gpu, driver_version() if gpu.backend == "cuda" else "")
+        self._studies: dict[Problem, optuna.Study] = {}
 
     def close(self) -> None:
+        self._timing.shutdown(wait=True)
+        self.heartbeat.close()
         self.pool.close()
         self.timer.close()
         self.store.close()
@@ -162,88 +125,156 @@ class Tuner:
             "seed": seed,
         }
 
-    def tune(self, problem: Problem, progress: Callable[[dict[str, Any]], None] | None = None) -> Outcome:
-        """Search `problem`'s Variants until `trials` were evaluated (or the time limit), then
-        record the fastest verified one as the Winner."""
-        start = time.monotonic()
-        opts = self.options
+    def _study(self, problem: Problem) -> optuna.Study:
+        """The Problem's shared study, created (its first trial the default Variant, so a Winner
+        is never slower than what dispatch would run untuned) or joined."""
+        if problem in self._studies:
+            return self._studies[problem]
         family = get(problem.family)
         space = family.search_space(problem, self.gpu)
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         study = optuna.create_study(
-            study_name=study_name(self.gpu, problem, opts.sampler),
+            study_name=studies.study_name(self.gpu, problem, self.options.sampler),
             storage=self.storage,
-            sampler=make_sampler(opts.sampler, opts.seed, space),
+            sampler=studies.make_sampler(self.options.sampler, self.options.seed, space),
             direction="minimize",
             load_if_exists=True,
         )
-        _fail_stale(study)
         if not study.trials:
-            # The default Variant goes first, so a Winner is never slower than what dispatch
-            # would run untuned.
             default = family.default_variant(problem, self.gpu).as_dict()
             params = choose(
                 family, space, lambda name, values: default[name] if default[name] in values else None
             )
             if None not in params.values():
                 study.enqueue_trial(params)
-        problem_dict = problem.as_dict()
+        self._studies[problem] = study
+        return study
+
+    def tune(self, problem: Problem, progress: Callable[[dict[str, Any]], None] | None = None) -> Outcome:
+        """Search `problem`'s Variants, then record the fastest verified one as the Winner."""
+        start = time.monotonic()
+        self.search(problem, progress)
+        return self.finalize(problem, progress, start=start)
+
+    def search(self, problem: Problem, progress: Callable[[dict[str, Any]], None] | None = None) -> None:
+        """Evaluate trials of `problem` until `trials` are evaluated or held (by any process
+        sharing the study), the time limit passes, or the space runs out."""
+        start = time.monotonic()
+        opts = self.options
+        family = get(problem.family)
+        space = family.search_space(problem, self.gpu)
+        study = self._study(problem)
+        studies.fail_stale(study)
         known_failures = self.store.failures(
-            self.record, problem.family, problem_dict, self.gpu.triton_version
+            self.record, problem.family, problem.as_dict(), self.gpu.triton_version
         )
-        peer = self.timer.call(peers_task, self._payload(problem, None, opts.seed), opts.trial_timeout)
-        asked = 0
-
-        def evaluated() -> list[optuna.trial.FrozenTrial]:
-            return [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("evaluated")]
-
+        compiling: dict[concurrent.futures.Future, tuple] = {}
+        ready: deque[tuple] = deque()
+        timing: tuple | None = None
+        asked, more, swept = 0, True, time.monotonic()
         while True:
-            done = evaluated()
-            if len(done) >= opts.trials or asked >= max(200, 20 * opts.trials):
-                break
-            if opts.timeout is not None and time.monotonic() - start > opts.timeout:
-                break
-            if isinstance(study.sampler, optuna.samplers.GridSampler) and study.sampler.is_exhausted(study):
-                break
-            batch = []
-            for _ in range(min(opts.workers, opts.trials - len(done))):
-                trial = study.ask()
+            if time.monotonic() - swept > opts.heartbeat_s:
+                studies.fail_stale(study)  # a dead process's claims stop counting, its Variants come back
+                swept = time.monotonic()
+            while more and len(compiling) + len(ready) < self.pool.size:
+                if (
+                    (opts.timeout is not None and time.monotonic() - start > opts.timeout)
+                    or asked >= max(200, 20 * opts.trials)
+                    or (
+                        isinstance(study.sampler, optuna.samplers.GridSampler)
+                        and study.sampler.is_exhausted(study)
+                    )
+                ):
+                    more = False
+                    break
+                if studies.claimed(study) >= opts.trials:
+                    break
+                trial = studies.ask(study)
                 asked += 1
-                trial.set_user_attr("owner", _owner())
+                self.heartbeat.hold(trial)
+                trial.set_user_attr("owner", self.owner)
                 params = choose(family, space, trial.suggest_categorical)
                 variant, reason = self._screen(family, params, problem, study, trial, known_failures)
                 if reason is not None:
-                    trial.set_user_attr("reason", reason)
-                    study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+                    studies.conclude(study, trial, {"reason": reason}, state=TrialState.PRUNED)
+                    self.heartbeat.release(trial)
                     continue
-                trial.set_user_attr("variant", variant.to_json())
-                batch.append((trial, variant))
-            payloads = [self._payload(problem, v, opts.seed + t.number) for t, v in batch]
-            compiled = self.pool.map(compile_task, payloads, opts.trial_timeout)
-            for (trial, variant), payload, result in zip(batch, payloads, compiled, strict=True):
-                trial.set_user_attr("evaluated", True)
-                if result["status"] == "ok":
-                    result = self.timer.call(evaluate_task, payload, opts.trial_timeout)
-                if result["status"] == "ok":
-                    trial.set_user_attr("rel_err", result["rel_err"])
-                    study.tell(trial, result["ms"])
+                payload = self._payload(problem, variant, opts.seed + trial.number)
+                future = self.pool.submit(compile_task, payload, opts.trial_timeout)
+                compiling[future] = (trial, variant, payload)
+            if timing is None and ready:
+                trial, variant, payload = ready.popleft()
+                future = self._timing.submit(self.timer.call, evaluate_task, payload, opts.trial_timeout)
+                timing = (future, trial, variant)
+            if not compiling and timing is None:
+                return
+            waiting = [*compiling, *([timing[0]] if timing else [])]
+            done, _ = concurrent.futures.wait(waiting, return_when=concurrent.futures.FIRST_COMPLETED)
+            for future in done:
+                if future in compiling:
+                    trial, variant, payload = compiling.pop(future)
+                    if future.result()["status"] == "ok":
+                        ready.append((trial, variant, payload))
+                        continue
                 else:
-                    reason = f"{result['status']}: {result['reason']}"
-                    trial.set_user_attr("reason", reason)
-                    study.tell(trial, state=optuna.trial.TrialState.FAIL)
-                    self.store.record_failure(
-                        FailureRecord(
-                            self.record,
-                            problem.family,
-                            problem_dict,
-                            variant.as_dict(),
-                            self.gpu.triton_version,
-                            reason,
-                        )
-                    )
+                    _, trial, variant = timing
+                    timing = None
+                self._conclude(study, problem, trial, variant, future.result())
                 if progress is not None:
                     progress(self._progress(study, problem))
-        return self._finish(study, problem, family, peer, start)
+
+    def _conclude(self, study, problem, trial, variant, result) -> None:
+        """Tell the study a trial's verified time, or its failure (recorded, never retried)."""
+        if result["status"] == "ok":
+            attrs = {"evaluated": True, "rel_err": result["rel_err"]}
+            studies.conclude(study, trial, attrs, values=result["ms"])
+        else:
+            reason = f"{result['status']}: {result['reason']}"
+            studies.conclude(study, trial, {"evaluated": True, "reason": reason}, state=TrialState.FAIL)
+            self.store.record_failure(
+                FailureRecord(
+                    self.record,
+                    problem.family,
+                    problem.as_dict(),
+                    variant.as_dict(),
+                    self.gpu.triton_version,
+                    reason,
+                )
+            )
+        self.heartbeat.release(trial)
+
+    def finalize(
+        self,
+        problem: Problem,
+        progress: Callable[[dict[str, Any]], None] | None = None,
+        *,
+        start: float | None = None,
+    ) -> Outcome:
+        """Wait for the trials other processes hold on `problem` (a dead holder's are failed and
+        their Variants evaluated here), then re-time the fastest few and record the Winner, with
+        the best peer's time on the same Problem."""
+        start = time.monotonic() if start is None else start
+        study = self._study(problem)
+        self._settle(study, problem, progress)
+        peer = self.timer.call(
+            peers_task, self._payload(problem, None, self.options.seed), self.options.trial_timeout
+        )
+        return self._finish(study, problem, get(problem.family), peer, start)
+
+    def _settle(self, study: optuna.Study, problem: Problem, progress) -> None:
+        opts = self.options
+        deadline = time.monotonic() + opts.grace_s + 3 * opts.trial_timeout
+        for _ in range(SETTLE_ROUNDS):
+            while time.monotonic() < deadline:
+                studies.fail_stale(study)
+                if not any(studies.holds_claim(t) for t in study.get_trials(deepcopy=False)):
+                    break
+                time.sleep(min(1.0, opts.heartbeat_s))
+            if studies.claimed(study) >= opts.trials or not study.get_trials(
+                deepcopy=False, states=(TrialState.WAITING,)
+            ):
+                return
+            self.search(problem, progress)
 
     def _final_round(self, problem: Problem, complete: list) -> tuple[Any, float]:
         """Re-time the fastest few with longer runs, back to back, and keep the fastest: one short
@@ -266,7 +297,8 @@ class Tuner:
     def _screen(
         self, family, params, problem, study, trial, known_failures
     ) -> tuple[Variant | None, str | None]:
-        """The Variant for `params`, or why it should not be evaluated now."""
+        """The Variant for `params` with this trial's claim on it written, or why it should not
+        be evaluated now."""
         try:
             variant = family.variant_type(**params)
         except ValueError as exc:
@@ -277,22 +309,15 @@ class Tuner:
         config = variant.to_json()
         if config in known_failures:
             return None, f"failed before: {known_failures[config]}"
-        for other in study.get_trials(deepcopy=False):
-            if other.number == trial.number or other.user_attrs.get("variant") != config:
-                continue
-            if other.state == optuna.trial.TrialState.COMPLETE:
-                return None, f"duplicate of trial {other.number}"
-            if other.state == optuna.trial.TrialState.RUNNING and other.number < trial.number:
-                return None, f"being evaluated as trial {other.number}"
-            if other.state == optuna.trial.TrialState.FAIL:
-                return None, f"failed as trial {other.number}"
-        return variant, None
+        trial.set_user_attr("variant", config)
+        reason = studies.conflict(study, trial, config)
+        return (None, reason) if reason else (variant, None)
 
     def _progress(self, study: optuna.Study, problem: Problem) -> dict[str, Any]:
         complete = [
             t for t in study.get_trials(deepcopy=False) if t.state == optuna.trial.TrialState.COMPLETE
         ]
-        done = sum(1 for t in study.get_trials(deepcopy=False) if t.user_attrs.get("evaluated"))
+        done = sum(1 for t in study.get_trials(deepcopy=False) if studies.evaluated(t))
         best = min((t.value for t in complete), default=None)
         unit, work = get(problem.family).measure(problem)
         return {
@@ -305,11 +330,13 @@ class Tuner:
 
     def _finish(self, study, problem, family, peer, start) -> Outcome:
         trials = study.get_trials(deepcopy=False)
-        evaluated = [t for t in trials if t.user_attrs.get("evaluated")]
+        evaluated = [t for t in trials if studies.evaluated(t)]
         failed = sum(1 for t in evaluated if t.state == optuna.trial.TrialState.FAIL)
         complete = [t for t in evaluated if t.state == optuna.trial.TrialState.COMPLETE]
         if not complete:
-            return Outcome(problem, None, None, len(evaluated), failed, None, time.monotonic() - start)
+            return Outcome(
+                problem, self.gpu, None, None, len(evaluated), failed, None, time.monotonic() - start
+            )
         best, ms = self._final_round(problem, complete)
         found_at = 1 + sorted(t.number for t in evaluated).index(best.number)
         variant = family.variant_type.from_json(best.user_attrs["variant"])
@@ -330,4 +357,6 @@ class Tuner:
             peer_ms=peer.get("ms"),
         )
         recorded = self.store.record_winner(winner)
-        return Outcome(problem, winner, recorded, len(evaluated), failed, found_at, time.monotonic() - start)
+        return Outcome(
+            problem, self.gpu, winner, recorded, len(evaluated), failed, found_at, time.monotonic() - start
+        )

@@ -7,8 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import multiprocessing
 import queue
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from tunegen.kernels.render import interpreting
@@ -87,21 +86,28 @@ class WorkerPool:
         self._all = [Worker(interpret=interpret) for _ in range(max(1, size))]
         for worker in self._all:
             self._workers.put(worker)
-        self._lock = threading.Lock()
+        self._threads = concurrent.futures.ThreadPoolExecutor(
+            len(self._all), thread_name_prefix="tunegen-pool"
+        )
 
-    def map(self, task: Task, payloads: Sequence[dict[str, Any]], timeout: float) -> list[dict[str, Any]]:
-        """Results in order; each payload runs on whichever worker is free."""
+    @property
+    def size(self) -> int:
+        """How many tasks run at once."""
+        return len(self._all)
 
-        def run(payload: dict[str, Any]) -> dict[str, Any]:
+    def submit(self, task: Task, payload: dict[str, Any], timeout: float) -> concurrent.futures.Future:
+        """Run `task(payload)` on whichever worker is free; the future holds its result."""
+
+        def run() -> dict[str, Any]:
             worker = self._workers.get()
             try:
                 return worker.call(task, payload, timeout)
             finally:
                 self._workers.put(worker)
 
-        with concurrent.futures.ThreadPoolExecutor(len(self._all)) as threads:
-            return list(threads.map(run, payloads))
+        return self._threads.submit(run)
 
     def close(self) -> None:
+        self._threads.shutdown(wait=True)
         for worker in self._all:
             worker.close()

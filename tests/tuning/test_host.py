@@ -1,0 +1,173 @@
+"""Tuning on several GPUs of one host, with interpreter stand-ins for the GPUs: choosing the GPUs,
+keeping GPU models apart, dividing the trials without duplicates, and a process killed mid-trial
+leaving nothing running (its trials failed after the heartbeat's grace, its Variants queued
+again), on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import os
+import signal
+import time
+
+import optuna
+import pytest
+from click.testing import CliRunner
+from optuna.trial import TrialState
+
+from tunegen.cli.main import main
+from tunegen.kernels.gpu import interpreter_gpu
+from tunegen.tuning import host
+from tunegen.tuning.presets import dry_run, parse_shape, problems
+from tunegen.tuning.study import evaluated, study_name
+from tunegen.tuning.tuner import TuneOptions, Tuner
+from tunegen.tuning_db import Store
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET", "0") != "1", reason="tuner tests run kernels under the interpreter"
+)
+GPU = interpreter_gpu()
+PROBLEMS = [
+    dry_run(p)
+    for p in problems([parse_shape("4,2,32"), parse_shape("8,2,64")], causal=(False,), seqlens=(1024,))
+]
+# A short heartbeat, so that a killed process's trials go stale within seconds.
+FAST = TuneOptions(trials=6, workers=1, trial_timeout=300, heartbeat_s=1, grace_s=3)
+
+
+def _url(backend, tmp_path, request):
+    if backend == "sqlite":
+        return f"sqlite:///{tmp_path / 'host.db'}"
+    return request.getfixturevalue("postgres_url")
+
+
+def _trials(url, problem):
+    return optuna.load_study(study_name=study_name(GPU, problem, "tpe"), storage=url).trials
+
+
+def test_selecting_gpus():
+    assert host.select("all", 4) == [0, 1, 2, 3]
+    assert host.select("2", 4) == [0, 1]
+    assert host.select("0,2,3", 4) == [0, 2, 3] and host.select("3,", 4) == [3]
+    for spec, message in [
+        ("5", "this host has 4 GPU"),
+        ("0", "this host has 4 GPU"),
+        ("0,4", r"GPUs are 0\.\.3"),
+        ("1,1", "distinct"),
+        ("some", "expected all, a count or indices"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            host.select(spec, 4)
+
+
+def test_gpu_models_are_tuned_apart_and_ranks_see_their_own_device(monkeypatch):
+    h100 = dataclasses.replace(GPU, name="NVIDIA H100", backend="cuda", capability=(9, 0))
+    h200 = dataclasses.replace(h100, name="NVIDIA H200")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,7")
+    ranks = host.cuda_ranks([0, 1, 2], lambda i: h200 if i == 1 else h100)
+    assert [(r.index, r.visible) for r in ranks] == [(0, "3"), (1, "5"), (2, "7")]
+    grouped = host.groups(ranks)
+    assert [[r.index for r in members] for members in grouped.values()] == [[0, 2], [1]]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert [r.visible for r in host.cuda_ranks([1], lambda i: h100)] == ["1"]
+
+
+def _no_trial_left_running(url):
+    for problem in PROBLEMS:
+        assert not [t.number for t in _trials(url, problem) if t.state == TrialState.RUNNING]
+
+
+@pytest.mark.parametrize("kill", [False, True], ids=["both-live", "one-killed"])
+def test_two_stand_ins_divide_the_trials(tmp_path, kill):
+    """Two ranks share each Problem's study: every Variant evaluated once, both take part, each
+    Problem finished once. Killed mid-trial, a rank is replaced and its trials do not stay running."""
+    url = f"sqlite:///{tmp_path / 'host.db'}"
+    options = dataclasses.replace(FAST, url=url)
+    ranks = [host.Rank(i, None, GPU) for i in range(2)]
+    killed: list[tuple[int, list[int]]] = []
+    finished = []
+
+    def progress(gpu, j, state):
+        if not kill or killed:
+            return
+        victim = next(p for p in multiprocessing.active_children() if p.name == "tunegen-gpu1")
+        held = [
+            t.number
+            for t in _trials(url, PROBLEMS[j])
+            if t.state == TrialState.RUNNING
+            and "variant" in t.user_attrs
+            and f":{victim.pid}:" in t.user_attrs["owner"]
+        ]
+        if held:
+            os.kill(victim.pid, signal.SIGKILL)
+            killed.append((j, held))
+
+    outcomes = host.tune_on(PROBLEMS, ranks, options, progress, lambda gpu, j, o: finished.append(j))
+    assert sorted(finished) == [0, 1], "each Problem finished once"
+    assert all(outcomes[(GPU, j)].winner is not None for j in range(2))
+    owners = set()
+    for problem in PROBLEMS:
+        trials = _trials(url, problem)
+        done = [t.user_attrs["variant"] for t in trials if evaluated(t)]
+        assert len(done) == len(set(done)), "no Variant evaluated twice"
+        assert 6 <= len(done) <= 7, "the target, overshot by at most one trial per other rank"
+        owners |= {t.user_attrs["owner"].rsplit(":", 1)[0] for t in trials if evaluated(t)}
+    assert len(owners) >= 2, "both ranks evaluated trials"
+    _no_trial_left_running(url)
+    with Store(url) as store:
+        assert len(store.winners()) == 2
+    if kill:
+        assert killed, "a rank was killed while it held a trial"
+        j, held = killed[0]
+        trials = {t.number: t for t in _trials(url, PROBLEMS[j])}
+        for number in held:
+            assert trials[number].state == TrialState.FAIL and not evaluated(trials[number])
+
+
+def _tune_forever(url):
+    with Tuner(GPU, dataclasses.replace(FAST, trials=50, url=url)) as tuner:
+        tuner.tune(PROBLEMS[0])
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_a_killed_worker_leaves_no_trial_running(tmp_path, backend, request):
+    """SIGKILL a tuning process mid-trial: its trials are failed once their heartbeat is older than
+    the grace period, and their Variants are evaluated again by the next run."""
+    url = _url(backend, tmp_path, request)
+    Store(url).close()
+    process = multiprocessing.get_context("spawn").Process(target=_tune_forever, args=(url,))
+    process.start()
+    held: list[optuna.trial.FrozenTrial] = []
+    deadline = time.monotonic() + 300
+    while not held and time.monotonic() < deadline:
+        time.sleep(0.5)
+        try:
+            trials = _trials(url, PROBLEMS[0])
+        except KeyError:  # the study is not created yet
+            continue
+        held = [t for t in trials if t.state == TrialState.RUNNING and "variant" in t.user_attrs]
+    os.kill(process.pid, signal.SIGKILL)
+    process.join()
+    assert held, "the process held a trial when it was killed"
+    with Tuner(GPU, dataclasses.replace(FAST, url=url)) as tuner:
+        outcome = tuner.tune(PROBLEMS[0])
+    assert outcome.winner is not None
+    trials = {t.number: t for t in _trials(url, PROBLEMS[0])}
+    assert not [n for n, t in trials.items() if t.state == TrialState.RUNNING]
+    for trial in held:
+        assert trials[trial.number].state == TrialState.FAIL and not evaluated(trials[trial.number])
+        retried = [t for t in trials.values() if t.user_attrs.get("retry_of") == trial.number]
+        assert len(retried) == 1 and evaluated(retried[0]), "the abandoned Variant was queued and evaluated"
+        assert retried[0].user_attrs["variant"] == trial.user_attrs["variant"]
+
+
+def test_cli_tunes_on_two_stand_ins(tmp_path):
+    url = f"sqlite:///{tmp_path / 'cli.db'}"
+    args = ["tune", "--db", url, "--shape", "4,2,32", "--seqlens", "512", "--causal", "no", "--dry-run"]
+    result = CliRunner().invoke(main, [*args, "--trials", "3", "--workers", "2", "--gpus", "2"])
+    assert result.exit_code == 0, result.output
+    assert "triton-interpreter (2 stand-in(s))" in result.output and "inserted" in result.output
+    assert "┃ gpu" in result.output, "the table says which GPU each Winner belongs to"
+    bad = CliRunner().invoke(main, [*args, "--gpus", "1,1"])
+    assert bad.exit_code != 0 and "--gpus" in bad.output and "distinct" in bad.output

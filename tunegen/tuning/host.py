@@ -1,0 +1,333 @@
+"""Tuning on several GPUs of one host (`tunegen tune --gpus`).
+
+Each GPU gets a process of its own (a rank): a Tuner whose timing worker and compile workers see
+only that GPU. Ranks on GPUs of one model share each Problem's study (the fleet mechanism in
+study.py, on whatever store is configured), so they divide its trials without duplicates; GPUs of
+different models are separate Gpu identities, each tuning every Problem for itself. This process
+shows the progress, and once every rank of a model has searched a Problem it hands that Problem's
+final round (waiting for stray trials, re-timing the finalists, recording the Winner) to one of
+them, the one that asked, while the others go on to the next Problem. A rank that dies is started
+again where it was; its trials are failed by the heartbeat and queued again (study.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import multiprocessing
+import os
+import queue
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from tunegen.kernels.database import database_url, open_store
+from tunegen.kernels.gpu import Gpu
+from tunegen.kernels.problem import Problem
+from tunegen.tuning import study as studies
+from tunegen.tuning.tuner import Outcome, TuneOptions, Tuner
+
+# A rank that dies more often than this on one GPU stops the run (its GPU is likely unusable).
+MAX_RESTARTS = 3
+POLL_S = 0.5
+
+
+class HostError(RuntimeError):
+    """A rank reported an error, or kept dying: the run stops (the studies keep what was done)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Rank:
+    """One GPU of the run: its index as this process numbers CUDA devices (or the number of an
+    interpreter stand-in), what CUDA_VISIBLE_DEVICES the rank gets (None: this process's own
+    view, for a rank run in this process), and its Gpu identity."""
+
+    index: int
+    visible: str | None
+    gpu: Gpu
+
+
+def select(spec: str, count: int) -> list[int]:
+    """The device indices `spec` names among `count` devices: "all"; a number N (the first N);
+    or a comma-separated list of indices ("0,2,5"; one device: "3,")."""
+    spec = spec.strip()
+    if spec == "all":
+        return list(range(count))
+    try:
+        if "," not in spec:
+            n = int(spec)
+            if not 1 <= n <= count:
+                raise ValueError(f"this host has {count} GPU(s); asked for {n}")
+            return list(range(n))
+        indices = [int(part) for part in spec.split(",") if part.strip()]
+    except ValueError as exc:
+        if "this host" in str(exc):
+            raise ValueError(f"gpus: {exc}") from None
+        raise ValueError(f"gpus: expected all, a count or indices like 0,2,5; got {spec!r}") from None
+    if not indices or len(set(indices)) != len(indices):
+        raise ValueError(f"gpus: expected distinct indices, got {spec!r}")
+    if not all(0 <= i < count for i in indices):
+        raise ValueError(f"gpus: this host's GPUs are 0..{count - 1}; got {spec!r}")
+    return indices
+
+
+def cuda_ranks(indices: list[int], gpus: Callable[[int], Gpu]) -> list[Rank]:
+    """Ranks for CUDA devices `indices`, each shown only its own device (through the entry of
+    this process's CUDA_VISIBLE_DEVICES that the index stands for, if that is set)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    entries = [e.strip() for e in visible.split(",")] if visible else None
+    return [Rank(i, entries[i] if entries else str(i), gpus(i)) for i in indices]
+
+
+def groups(ranks: list[Rank]) -> dict[Gpu, list[Rank]]:
+    """Ranks by GPU model: those sharing a Gpu identity tune together; Winners never mix."""
+    out: dict[Gpu, list[Rank]] = {}
+    for rank in ranks:
+        out.setdefault(rank.gpu, []).append(rank)
+    return out
+
+
+@contextlib.contextmanager
+def _environment(name: str, value: str | None) -> Iterator[None]:
+    """Set an environment variable while a child process starts (it copies the environment)."""
+    before = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
+def _rank_main(
+    rank: Rank,
+    problems: list[Problem],
+    options: TuneOptions,
+    start: int,
+    finalize_first: list[int],
+    inbox: Any,
+    outbox: Any,
+) -> None:
+    """A rank: search the Problems from `start` on, asking this host's process between Problems
+    whether to finish one (finalize), go on, or stop."""
+    parent = multiprocessing.parent_process()
+
+    def answer() -> tuple:
+        while True:
+            try:
+                return inbox.get(timeout=POLL_S)
+            except queue.Empty:
+                if parent is not None and not parent.is_alive():
+                    raise SystemExit(1) from None
+
+    try:
+        with Tuner(rank.gpu, options) as tuner:
+
+            def finalize(indices: list[int]) -> None:
+                for j in indices:
+                    outbox.put(("outcome", rank.index, j, tuner.finalize(problems[j])))
+
+            def checkpoint(searched: int | None, more: bool) -> str:
+                outbox.put(("ready", rank.index, searched, more))
+                while True:
+                    kind, *args = answer()
+                    if kind != "finalize":
+                        return kind
+                    finalize(args)
+                    outbox.put(("ready", rank.index, None, more))
+
+            finalize(finalize_first)
+            for i in range(start, len(problems)):
+                outbox.put(("start", rank.index, i))
+                tuner.search(problems[i], lambda state, i=i: outbox.put(("progress", rank.index, i, state)))
+                if checkpoint(i, i + 1 < len(problems)) == "stop":
+                    return
+            if start >= len(problems):
+                checkpoint(None, False)
+    except Exception as exc:
+        outbox.put(("error", rank.index, f"{type(exc).__name__}: {exc}"))
+        raise SystemExit(1) from None
+
+
+@dataclasses.dataclass
+class _State:
+    rank: Rank
+    process: Any = None
+    inbox: Any = None
+    current: int = 0  # the Problem it searches (or will)
+    finalizing: list[int] = dataclasses.field(default_factory=list)
+    searched: set[int] = dataclasses.field(default_factory=set)
+    waiting: bool = False  # asked for work, none given yet
+    more: bool = True
+    restarts: int = 0
+    done: bool = False
+
+
+class _Host:
+    """Starts the ranks, answers them, restarts the dead, and collects the Outcomes."""
+
+    def __init__(self, problems, ranks, options, progress, finished) -> None:
+        self.problems = problems
+        self.options = options
+        self.progress = progress
+        self.finished = finished
+        self.context = multiprocessing.get_context("spawn")
+        self.outbox = self.context.Queue()
+        self.states = {r.index: _State(r) for r in ranks}
+        self.outcomes: dict[tuple[Gpu, int], Outcome] = {}
+        self.assigned: set[tuple[Gpu, int]] = set()
+        self.started: dict[tuple[Gpu, int], float] = {}
+
+    def _start(self, state: _State, finalize_first: list[int]) -> None:
+        state.inbox = self.context.Queue()
+        state.finalizing = list(finalize_first)
+        state.waiting = False
+        args = (
+            state.rank,
+            self.problems,
+            self.options,
+            state.current,
+            finalize_first,
+            state.inbox,
+            self.outbox,
+        )
+        with _environment("CUDA_VISIBLE_DEVICES", state.rank.visible):
+            state.process = self.context.Process(
+                target=_rank_main, args=args, name=f"tunegen-gpu{state.rank.index}"
+            )
+            state.process.start()
+
+    def _members(self, gpu: Gpu) -> list[_State]:
+        return [s for s in self.states.values() if s.rank.gpu == gpu]
+
+    def _ready(self, gpu: Gpu) -> list[int]:
+        """Problems every rank of this model has searched, not yet handed out."""
+        members = self._members(gpu)
+        return [
+            j
+            for j in range(len(self.problems))
+            if (gpu, j) not in self.assigned and all(j in s.searched for s in members)
+        ]
+
+    def _group_done(self, gpu: Gpu) -> bool:
+        return all((gpu, j) in self.outcomes for j in range(len(self.problems)))
+
+    def _answer(self, state: _State) -> None:
+        gpu = state.rank.gpu
+        ready = self._ready(gpu)
+        if ready:
+            self.assigned.add((gpu, ready[0]))
+            state.finalizing.append(ready[0])
+            state.inbox.put(("finalize", ready[0]))
+        elif state.more:
+            state.inbox.put(("go",))
+        elif self._group_done(gpu):
+            state.inbox.put(("stop",))
+            state.done = True
+        else:
+            return
+        state.waiting = False
+
+    def _answer_waiting(self, gpu: Gpu) -> None:
+        for state in self._members(gpu):
+            if state.waiting:
+                self._answer(state)
+
+    def _handle(self, message: tuple) -> None:
+        kind, index, *args = message
+        state = self.states[index]
+        gpu = state.rank.gpu
+        if kind == "start":
+            state.current = args[0]
+            self.started.setdefault((gpu, args[0]), time.monotonic())
+        elif kind == "progress":
+            self.progress(gpu, args[0], args[1])
+        elif kind == "ready":
+            searched, state.more = args
+            if searched is not None:
+                state.searched.add(searched)
+                state.current = searched + 1
+            state.waiting = True
+            self._answer_waiting(gpu)
+        elif kind == "outcome":
+            j, outcome = args
+            state.finalizing.remove(j)
+            wall = time.monotonic() - self.started.get((gpu, j), time.monotonic())
+            outcome = dataclasses.replace(outcome, wall_s=wall)
+            self.outcomes[(gpu, j)] = outcome
+            self.finished(gpu, j, outcome)
+            self._answer_waiting(gpu)
+        elif kind == "error":
+            raise HostError(f"GPU {index}: {args[0]}")
+
+    def _revive(self, state: _State) -> None:
+        code = state.process.exitcode
+        state.restarts += 1
+        if state.restarts > MAX_RESTARTS:
+            raise HostError(
+                f"GPU {state.rank.index}: its tuning process died {state.restarts} times "
+                f"(last exit code {code}); the studies keep what was done: run again to resume"
+            )
+        for j in state.finalizing:
+            self.assigned.discard((state.rank.gpu, j))
+        self._start(state, [])
+        self._answer_waiting(state.rank.gpu)
+
+    def run(self) -> dict[tuple[Gpu, int], Outcome]:
+        url = database_url(self.options.url)
+        open_store(url).close()
+        studies.prepare(url)
+        try:
+            for state in self.states.values():
+                self._start(state, [])
+            checked = time.monotonic()
+            while not all(self._group_done(gpu) for gpu in {s.rank.gpu for s in self.states.values()}):
+                with contextlib.suppress(queue.Empty):
+                    self._handle(self.outbox.get(timeout=POLL_S))
+                if time.monotonic() - checked < POLL_S:
+                    continue
+                checked = time.monotonic()
+                for state in self.states.values():
+                    if not state.done and not state.process.is_alive():
+                        self._revive(state)
+            return self.outcomes
+        finally:
+            self._stop()
+
+    def _stop(self) -> None:
+        for state in self.states.values():
+            if state.process is not None and state.process.is_alive():
+                with contextlib.suppress(Exception):
+                    state.inbox.put(("stop",))
+        deadline = time.monotonic() + 30
+        for state in self.states.values():
+            if state.process is None:
+                continue
+            state.process.join(max(0.1, deadline - time.monotonic()))
+            if state.process.is_alive():
+                state.process.kill()
+                state.process.join()
+
+
+def tune_on(
+    problems: list[Problem],
+    ranks: list[Rank],
+    options: TuneOptions,
+    progress: Callable[[Gpu, int, dict[str, Any]], None],
+    finished: Callable[[Gpu, int, Outcome], None],
+) -> dict[tuple[Gpu, int], Outcome]:
+    """Tune every Problem on every GPU model among `ranks`; the Outcome of each (model, Problem
+    index). One rank on this process's own device runs here; more run one process per GPU."""
+    if len(ranks) == 1 and ranks[0].visible is None:
+        gpu = ranks[0].gpu
+        outcomes = {}
+        with Tuner(gpu, options) as tuner:
+            for j, problem in enumerate(problems):
+                outcome = tuner.tune(problem, lambda state, j=j: progress(gpu, j, state))
+                outcomes[(gpu, j)] = outcome
+                finished(gpu, j, outcome)
+        return outcomes
+    return _Host(problems, ranks, options, progress, finished).run()

@@ -1,0 +1,195 @@
+"""The Optuna side of tuning: samplers, study names, the storage with heartbeats, and how trials
+are claimed, counted and concluded by several processes sharing one study.
+
+A trial holds a Variant once its "variant" attribute is written (its claim); a claim is written
+before the process looks at the others' claims, so of two processes that pick the same Variant at
+once, at least one sees the other's claim and steps back. A process records a heartbeat for
+every trial it holds; a trial whose heartbeat stops (the process was killed) is failed by whoever
+next looks, and its Variant is queued again, so a dead worker leaves nothing running for good.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import threading
+import warnings
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from tunegen.kernels.gpu import Gpu
+from tunegen.kernels.problem import Problem
+
+SAMPLERS = ("tpe", "random", "grid", "cmaes", "gp")
+# A Variant whose trial was abandoned (its process died) this many times is not queued again.
+MAX_RETRIES = 2
+log = logging.getLogger("tunegen")
+
+
+class _Grid(optuna.samplers.GridSampler):
+    """Optuna's grid without its own stop: Study.stop only works inside optimize(), and the
+    tuner asks and tells, stopping by itself once every grid point was asked."""
+
+    def after_trial(self, study: optuna.Study, trial: Any, state: Any, values: Any) -> None:
+        return None
+
+
+def make_sampler(name: str, seed: int, space: dict[str, list]) -> optuna.samplers.BaseSampler:
+    """The Optuna sampler called `name`, seeded."""
+    if name == "tpe":
+        # group: knobs of one schedule are searched together, apart from another schedule's (an
+        # option Optuna still marks experimental, which users need not be warned about).
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, constant_liar=True)
+    if name == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    if name == "grid":
+        return _Grid(space, seed=seed)
+    if name == "cmaes":
+        # CMA-ES has no categorical model: Optuna hands those knobs to its independent sampler.
+        return optuna.samplers.CmaEsSampler(
+            seed=seed, independent_sampler=optuna.samplers.TPESampler(seed=seed)
+        )
+    if name == "gp":
+        return optuna.samplers.GPSampler(seed=seed)
+    raise ValueError(f"sampler: expected one of {SAMPLERS}, got {name!r}")
+
+
+def study_name(gpu: Gpu, problem: Problem, sampler: str) -> str:
+    """One study per (Gpu, Problem, Triton version, sampler): what fleet workers share."""
+    slug = re.sub(r"[^a-z0-9]+", "-", gpu.name.lower()).strip("-")
+    digest = hashlib.sha256(problem.to_json().encode()).hexdigest()[:16]
+    return f"tunegen-{problem.family}-{slug}-{gpu.backend}-triton{gpu.triton_version}-{sampler}-{digest}"
+
+
+def _requeue(study: optuna.Study, trial: FrozenTrial) -> None:
+    """Queue an abandoned trial's Variant again: its process died, the Variant did not fail."""
+    retries = int(trial.user_attrs.get("retries", 0))
+    if trial.params and retries < MAX_RETRIES:
+        study.enqueue_trial(trial.params, user_attrs={"retries": retries + 1, "retry_of": trial.number})
+
+
+def storage(url: str, heartbeat_s: int, grace_s: int) -> optuna.storages.RDBStorage:
+    """Optuna's storage on the tuning database, with heartbeats: a trial not heard from for
+    `grace_s` seconds is failed and its Variant queued again."""
+    engine: dict[str, Any] = {}
+    if url.startswith("sqlite"):
+        # Several tuning processes write one SQLite file: wait for its lock, as the store does.
+        engine["connect_args"] = {"timeout": 60}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return optuna.storages.RDBStorage(
+            url,
+            engine_kwargs=engine,
+            heartbeat_interval=heartbeat_s,
+            grace_period=grace_s,
+            heartbeat_stale_trial_callback=_requeue,
+        )
+
+
+def prepare(url: str) -> None:
+    """Create Optuna's tables in the tuning database now: processes that start together and find
+    them missing would race to create them."""
+    optuna.storages.RDBStorage(url).engine.dispose()
+
+
+def ask(study: optuna.Study) -> optuna.Trial:
+    """A new trial (a queued one first). Optuna warns that heartbeats are meant for optimize();
+    the tuner asks and tells, and records the heartbeats itself (Heartbeat)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
+        return study.ask()
+
+
+def fail_stale(study: optuna.Study) -> None:
+    """Fail the trials whose holder stopped beating (each is failed by one process only, which
+    queues its Variant again)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.storages.fail_stale_trials(study)
+
+
+def evaluated(trial: FrozenTrial) -> bool:
+    """Whether the trial's Variant was verified and timed, or failed doing so."""
+    return bool(trial.user_attrs.get("evaluated"))
+
+
+def holds_claim(trial: FrozenTrial) -> bool:
+    """Whether a live process is evaluating the trial's Variant."""
+    return trial.state == TrialState.RUNNING and "variant" in trial.user_attrs
+
+
+def claimed(study: optuna.Study) -> int:
+    """Trials evaluated or being evaluated: what counts against the number asked for."""
+    return sum(1 for t in study.get_trials(deepcopy=False) if evaluated(t) or holds_claim(t))
+
+
+def conflict(study: optuna.Study, trial: optuna.Trial, config: str) -> str | None:
+    """Why another trial's claim on the Variant `config` rules this trial out, if one does.
+
+    Called after this trial's own claim is written. A running claim rules out whatever its
+    number, so that of two simultaneous claims at least one steps back."""
+    for other in study.get_trials(deepcopy=False):
+        if other.number == trial.number or other.user_attrs.get("variant") != config:
+            continue
+        if other.state == TrialState.COMPLETE:
+            return f"duplicate of trial {other.number}"
+        if other.state == TrialState.FAIL and evaluated(other):
+            return f"failed as trial {other.number}"
+        if other.state == TrialState.RUNNING:
+            return f"being evaluated as trial {other.number}"
+    return None
+
+
+def conclude(study: optuna.Study, trial: optuna.Trial, attrs: dict[str, Any], **tell: Any) -> bool:
+    """Record the trial's attributes and result; False if another process had already failed it
+    as abandoned (its heartbeat was late), in which case its queued copy stands."""
+    try:
+        for name, value in attrs.items():
+            trial.set_user_attr(name, value)
+        study.tell(trial, **tell)
+    except (optuna.exceptions.UpdateFinishedTrialError, ValueError) as exc:
+        log.warning("tunegen tune: trial %d was concluded elsewhere (%s)", trial.number, exc)
+        return False
+    return True
+
+
+class Heartbeat:
+    """Records, every `interval_s` seconds, that this process still holds its trials."""
+
+    def __init__(self, storage: optuna.storages.RDBStorage, interval_s: int) -> None:
+        self._storage = storage
+        self._interval = interval_s
+        self._held: set[int] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tunegen-heartbeat", daemon=True)
+        self._thread.start()
+
+    def hold(self, trial: optuna.Trial) -> None:
+        """Beat for `trial` from now on (the first beat at once, before any claim is written)."""
+        with self._lock:
+            self._held.add(trial._trial_id)
+        self._storage.record_heartbeat(trial._trial_id)
+
+    def release(self, trial: optuna.Trial) -> None:
+        with self._lock:
+            self._held.discard(trial._trial_id)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            with self._lock:
+                held = sorted(self._held)
+            for trial_id in held:
+                try:
+                    self._storage.record_heartbeat(trial_id)
+                except Exception as exc:  # a busy database: the next beat tries again
+                    log.debug("tunegen tune: heartbeat of trial %d not recorded: %s", trial_id, exc)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
