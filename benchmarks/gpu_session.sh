@@ -9,6 +9,7 @@
 #   bash benchmarks/gpu_session.sh launch       # host cost per call, decode defaults, decode bench
 #   bash benchmarks/gpu_session.sh backward     # backward tests, the knob sweep, bench with Flex
 #   bash benchmarks/gpu_session.sh fp8          # FP8 tests, the sweep, bench fp8 in short runs, accuracy
+#   bash benchmarks/gpu_session.sh multigpu     # on 2+ GPUs: tune --gpus all against --gpus 1, bench prefill/decode
 set -uo pipefail
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
@@ -93,6 +94,13 @@ fp8() {  # what benchmarks/results/fp8_h100.md was measured with (issue 16), and
             --page-sizes 0 -o "$OUT/fp8_bench_n$n.json"
     done
     step fp8-accuracy python3 "$REPO/benchmarks/fp8_accuracy.py" --seeds 3 -o "$OUT/fp8_accuracy_h100.json"
+}
+
+multigpu() {  # issue 18, on a host with two or more GPUs of one model (an H200 pair)
+    (cd "$REPO/benchmarks" && step multi-gpu python3 multi_gpu.py --preset llama3-8b --runs 1,all \
+        -o "$OUT/multi_gpu")
+    step bench-prefill tunegen bench prefill -o "$OUT/bench_prefill.csv"
+    step bench-decode tunegen bench decode -o "$OUT/bench_decode.csv"
 }
 
 tune() {

@@ -87,6 +87,16 @@ def groups(ranks: list[Rank]) -> dict[Gpu, list[Rank]]:
     return out
 
 
+def cores(position: int, ranks: int) -> tuple[int, ...] | None:
+    """The CPU cores of the rank at `position` of `ranks`: an equal share of those this process
+    may use (None where the platform cannot pin processes)."""
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    available = sorted(os.sched_getaffinity(0))
+    share = max(1, len(available) // ranks)
+    return tuple(available[position * share : (position + 1) * share]) or None
+
+
 @contextlib.contextmanager
 def _environment(name: str, value: str | None) -> Iterator[None]:
     """Set an environment variable while a child process starts (it copies the environment)."""
@@ -107,7 +117,6 @@ def _rank_main(
     problems: list[Problem],
     options: TuneOptions,
     start: int,
-    finalize_first: list[int],
     inbox: Any,
     outbox: Any,
 ) -> None:
@@ -126,20 +135,16 @@ def _rank_main(
     try:
         with Tuner(rank.gpu, options) as tuner:
 
-            def finalize(indices: list[int]) -> None:
-                for j in indices:
-                    outbox.put(("outcome", rank.index, j, tuner.finalize(problems[j])))
-
             def checkpoint(searched: int | None, more: bool) -> str:
                 outbox.put(("ready", rank.index, searched, more))
                 while True:
                     kind, *args = answer()
                     if kind != "finalize":
                         return kind
-                    finalize(args)
+                    (j,) = args
+                    outbox.put(("outcome", rank.index, j, tuner.finalize(problems[j])))
                     outbox.put(("ready", rank.index, None, more))
 
-            finalize(finalize_first)
             for i in range(start, len(problems)):
                 outbox.put(("start", rank.index, i))
                 tuner.search(problems[i], lambda state, i=i: outbox.put(("progress", rank.index, i, state)))
@@ -181,19 +186,13 @@ class _Host:
         self.assigned: set[tuple[Gpu, int]] = set()
         self.started: dict[tuple[Gpu, int], float] = {}
 
-    def _start(self, state: _State, finalize_first: list[int]) -> None:
+    def _start(self, state: _State) -> None:
         state.inbox = self.context.Queue()
-        state.finalizing = list(finalize_first)
+        state.finalizing = []
         state.waiting = False
-        args = (
-            state.rank,
-            self.problems,
-            self.options,
-            state.current,
-            finalize_first,
-            state.inbox,
-            self.outbox,
-        )
+        position = list(self.states).index(state.rank.index)
+        options = dataclasses.replace(self.options, cpus=cores(position, len(self.states)))
+        args = (state.rank, self.problems, options, state.current, state.inbox, self.outbox)
         with _environment("CUDA_VISIBLE_DEVICES", state.rank.visible):
             state.process = self.context.Process(
                 target=_rank_main, args=args, name=f"tunegen-gpu{state.rank.index}"
@@ -273,7 +272,7 @@ class _Host:
             )
         for j in state.finalizing:
             self.assigned.discard((state.rank.gpu, j))
-        self._start(state, [])
+        self._start(state)
         self._answer_waiting(state.rank.gpu)
 
     def run(self) -> dict[tuple[Gpu, int], Outcome]:
@@ -282,7 +281,7 @@ class _Host:
         studies.prepare(url)
         try:
             for state in self.states.values():
-                self._start(state, [])
+                self._start(state)
             checked = time.monotonic()
             while not all(self._group_done(gpu) for gpu in {s.rank.gpu for s in self.states.values()}):
                 with contextlib.suppress(queue.Empty):
@@ -324,7 +323,7 @@ def tune_on(
     if len(ranks) == 1 and ranks[0].visible is None:
         gpu = ranks[0].gpu
         outcomes = {}
-        with Tuner(gpu, options) as tuner:
+        with Tuner(gpu, dataclasses.replace(options, cpus=cores(0, 1))) as tuner:
             for j, problem in enumerate(problems):
                 outcome = tuner.tune(problem, lambda state, j=j: progress(gpu, j, state))
                 outcomes[(gpu, j)] = outcome

@@ -6,6 +6,7 @@ Payloads and results are plain dicts (they cross processes).
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -54,9 +55,14 @@ def median_ms(fn: Callable[[], object], backend: str, rep_ms: float = 100.0) -> 
 
 
 def compile_task(payload: dict[str, Any]) -> dict[str, Any]:
-    """Render, compile and launch once (so the binary is in Triton's cache for the timing worker)."""
-    _, case = _case(payload)
-    case.launch()
+    """Render, compile and load the binary for the case's inputs (so it is in Triton's cache for
+    the timing worker), running nothing on the GPU: the timing worker may be timing there."""
+    problem = Problem(**payload["problem"])
+    family = get(problem.family)
+    device = _device(payload)
+    kernel = base.build(family, family.variant_type.from_json(payload["variant"]), problem, gpu_of(device))
+    binding = dataclasses.replace(kernel, launch=kernel.bind)  # the case's launch binds, runs nothing
+    family.case(problem, binding, device, payload["seed"]).launch()
     _sync(payload)
     return {"status": "ok"}
 

@@ -49,8 +49,10 @@ SETTLE_ROUNDS = 3
 @dataclasses.dataclass(frozen=True)
 class TuneOptions:
     """How hard to search: evaluated trials per Problem, a time limit per Problem, the sampler;
-    compile workers; how long a trial may take; and the heartbeat that tells a dead process's
-    trials from live ones (a trial not heard from for `grace_s` seconds is failed and queued again)."""
+    compile workers; how long a trial may take; the heartbeat that tells a dead process's trials
+    from live ones (a trial not heard from for `grace_s` seconds is failed and queued again); and
+    the CPU cores to run on: the first for the timing worker alone (so compiles, which now run
+    while it times, do not delay its launches), the rest for the compile workers (None: any)."""
 
     trials: int = 40
     timeout: float | None = None
@@ -61,6 +63,7 @@ class TuneOptions:
     url: str | None = None
     heartbeat_s: int = 10
     grace_s: int = 60
+    cpus: tuple[int, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,8 +101,9 @@ class Tuner:
         self.heartbeat = studies.Heartbeat(self.storage, options.heartbeat_s)
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         interpret = gpu.backend == "interpreter"
-        self.pool = WorkerPool(options.workers, interpret=interpret)
-        self.timer = Worker(interpret=interpret)
+        cpus = options.cpus if options.cpus and len(options.cpus) > 1 else None
+        self.pool = WorkerPool(options.workers, interpret=interpret, cpus=cpus and cpus[1:])
+        self.timer = Worker(interpret=interpret, cpus=cpus and cpus[:1])
         self._timing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tunegen-timing")
         self.record = gpu_record(gpu, driver_version() if gpu.backend == "cuda" else "")
         self._studies: dict[Problem, optuna.Study] = {}

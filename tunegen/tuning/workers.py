@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import multiprocessing
+import os
 import queue
 from collections.abc import Callable
 from typing import Any
@@ -29,10 +30,12 @@ def _serve(conn: Any) -> None:
 
 
 class Worker:
-    """One spawned child process; Triton in it interprets kernels or compiles them, as asked."""
+    """One spawned child process; Triton in it interprets kernels or compiles them, as asked. With
+    `cpus`, it and what it starts (the compiler's assembler) run on those cores only."""
 
-    def __init__(self, *, interpret: bool) -> None:
+    def __init__(self, *, interpret: bool, cpus: tuple[int, ...] | None = None) -> None:
         self.interpret = interpret
+        self.cpus = cpus
         self._start()
 
     def _start(self) -> None:
@@ -42,6 +45,8 @@ class Worker:
         with interpreting(self.interpret):
             self._process = context.Process(target=_serve, args=(child,), daemon=True)
             self._process.start()
+        if self.cpus and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(self._process.pid, self.cpus)
         child.close()
 
     def call(self, task: Task, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -81,9 +86,9 @@ class Worker:
 class WorkerPool:
     """Several Workers for work that may run side by side (compiling)."""
 
-    def __init__(self, size: int, *, interpret: bool) -> None:
+    def __init__(self, size: int, *, interpret: bool, cpus: tuple[int, ...] | None = None) -> None:
         self._workers: queue.Queue[Worker] = queue.Queue()
-        self._all = [Worker(interpret=interpret) for _ in range(max(1, size))]
+        self._all = [Worker(interpret=interpret, cpus=cpus) for _ in range(max(1, size))]
         for worker in self._all:
             self._workers.put(worker)
         self._threads = concurrent.futures.ThreadPoolExecutor(

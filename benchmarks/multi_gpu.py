@@ -1,0 +1,143 @@
+"""Tuning on every GPU of a host against tuning on one (issue 18): `tunegen tune --gpus SPEC`
+for each SPEC, each from nothing (its own database, Triton cache and kernel cache, so no run
+reuses another's compiles), timed by the wall clock; then each Problem's Winners from the runs
+re-timed back to back on GPU 0 (interleaved, so that clock drift does not favour one), after a
+check against float64 on fresh inputs. Writes JSON and a markdown summary; prints the table.
+
+    python3 multi_gpu.py --preset llama3-8b --runs 1,all -o results/multi_gpu_h200x2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from tunegen.cli.text import problem_text
+from tunegen.kernels.families import base, get
+from tunegen.kernels.gpu import cuda_gpu
+from tunegen.kernels.problem import Problem
+from tunegen.kernels.reference import tolerance
+from tunegen.tuning.timing import interleaved_ms
+from tunegen.tuning_db import Store
+
+
+def tune(spec: str, preset: str, work: Path, extra: list[str]) -> dict:
+    """One `tunegen tune` run from empty caches: its wall time, database and log."""
+    slug = re.sub(r"[^a-z0-9]+", "_", spec.lower())
+    db = work / f"tune_gpus_{slug}.db"
+    db.unlink(missing_ok=True)
+    caches = {"TRITON_CACHE_DIR": work / f"triton_{slug}", "TUNEGEN_CACHE_DIR": work / f"kernels_{slug}"}
+    for folder in caches.values():
+        shutil.rmtree(folder, ignore_errors=True)
+    env = dict(os.environ, **{k: str(v) for k, v in caches.items()})
+    command = ["tunegen", "tune", "--preset", preset, "--gpus", spec, "--db", f"sqlite:///{db}", *extra]
+    start = time.monotonic()
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    wall = time.monotonic() - start
+    (work / f"tune_gpus_{slug}.log").write_text(done.stdout + done.stderr)
+    print(done.stdout[-6000:], done.stderr[-3000:], sep="\n")
+    return {
+        "gpus": spec,
+        "command": " ".join(command),
+        "wall_s": wall,
+        "exit_code": done.returncode,
+        "db": str(db),
+    }
+
+
+def retime(runs: list[dict], seed: int = 7) -> list[dict]:
+    """Each Problem's Winners from every run, checked and then timed interleaved on GPU 0."""
+    gpu = cuda_gpu(0)
+    winners: dict[str, dict[str, object]] = {}
+    for run in runs:
+        with Store(f"sqlite:///{run['db']}") as store:
+            for w in store.winners():
+                winners.setdefault(json.dumps(w.problem, sort_keys=True), {})[run["gpus"]] = w
+    rows = []
+    for key, by_run in winners.items():
+        problem = Problem(**json.loads(key))
+        family = get(problem.family)
+        calls, row = {}, {"problem": problem.as_dict(), "runs": {}}
+        for spec, w in by_run.items():
+            variant = family.variant_type.from_json(json.dumps(w.variant))
+            case = family.case(problem, base.build(family, variant, problem, gpu), torch.device("cuda"), seed)
+            case.launch()
+            torch.cuda.synchronize()
+            err = case.error()
+            row["runs"][spec] = {"variant": w.variant, "recorded_ms": w.median_ms, "rel_err": err}
+            if err <= tolerance(problem):
+                calls[spec] = case.launch
+        for spec, ms in interleaved_ms(calls, rep_ms=400.0).items():
+            row["runs"][spec]["retimed_ms"] = ms
+        rows.append(row)
+    return rows
+
+
+def summary(runs: list[dict], rows: list[dict], device: str) -> str:
+    base_run = runs[0]
+    lines = [
+        f"# `tunegen tune --gpus`: {device}",
+        "",
+        f"Measured {time.strftime('%Y-%m-%d')}, torch {torch.__version__}, Triton "
+        f"{__import__('triton').__version__}. Each run from empty databases and caches.",
+        "",
+        "| run | wall | speedup over the first |",
+        "| --- | --- | --- |",
+    ]
+    for run in runs:
+        lines.append(
+            f"| `--gpus {run['gpus']}` | {run['wall_s']:.0f} s | {base_run['wall_s'] / run['wall_s']:.2f}x |"
+        )
+    specs = [run["gpus"] for run in runs]
+    lines += [
+        "",
+        "Winners re-timed back to back on GPU 0 (ms, median of interleaved 400 ms runs):",
+        "",
+        "| problem | " + " | ".join(f"`--gpus {s}`" for s in specs) + " | last / first | same Variant |",
+        "| --- | " + " | ".join("---" for _ in specs) + " | --- | --- |",
+    ]
+    for row in rows:
+        label = problem_text(row["problem"])
+        times = [row["runs"].get(s, {}).get("retimed_ms") for s in specs]
+        cells = [f"{t:.4f}" if t else "-" for t in times]
+        ratio = f"{times[-1] / times[0]:.3f}" if times[0] and times[-1] else "-"
+        variants = {json.dumps(row["runs"][s]["variant"], sort_keys=True) for s in specs if s in row["runs"]}
+        lines.append(
+            f"| {label} | " + " | ".join(cells) + f" | {ratio} | {'yes' if len(variants) == 1 else 'no'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="llama3-8b")
+    parser.add_argument("--runs", default="1,all", help="--gpus values, ';'-separated if they hold commas")
+    parser.add_argument("--work", default="/tmp/multi_gpu")
+    parser.add_argument("-o", "--output", required=True, help="results path without extension")
+    args, extra = parser.parse_known_args()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    specs = args.runs.split(";") if ";" in args.runs else args.runs.split(",")
+    runs = [tune(spec, args.preset, work, extra) for spec in specs]
+    rows = retime([r for r in runs if r["exit_code"] == 0])
+    device = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(
+        json.dumps({"device": device, "runs": runs, "problems": rows}, indent=1)
+    )
+    text = summary(runs, rows, device)
+    out.with_suffix(".md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
