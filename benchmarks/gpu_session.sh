@@ -99,8 +99,9 @@ fp8() {  # what benchmarks/results/fp8_h100.md was measured with (issue 16), and
 multigpu() {  # issue 18, on a host with two or more GPUs of one model (an H200 pair)
     (cd "$REPO/benchmarks" && step multi-gpu python3 multi_gpu.py --preset llama3-8b --runs 1,all \
         -o "$OUT/multi_gpu")
-    step bench-prefill tunegen bench prefill -o "$OUT/bench_prefill.csv"
-    step bench-decode tunegen bench decode -o "$OUT/bench_decode.csv"
+    # D=64 and 128 were measured on one H200 (results/bench_prefill_h200_d64_d128.*); these remain.
+    step bench-prefill tunegen bench prefill --head-dims 256 -o "$OUT/bench_prefill_h200_d256.csv"
+    step bench-decode tunegen bench decode -o "$OUT/decode_bench_h200.csv"
 }
 
 tune() {
