@@ -25,6 +25,20 @@ def _need_gpu() -> None:
         raise click.UsageError("bench needs a CUDA GPU: timings come from the GPU's clock")
 
 
+def _missing(note: str) -> str:
+    """A table cell without a speed: "n/a" (the implementation cannot run the inputs; the reason
+    is listed under the table and in the results file), "wrong" (it ran and was wrong) or "-"."""
+    if note.startswith("n/a"):
+        return "n/a"
+    return "wrong" if note.startswith("wrong") else "-"
+
+
+def _print_refusals(console, notes: list[tuple[str, str]]) -> None:
+    """Under a table, once each: which implementation could not run which inputs, and why."""
+    for impl, note in dict.fromkeys((impl, note) for impl, note in notes if note.startswith("n/a")):
+        console.print(f"{impl}: {note}")
+
+
 @bench.command("prefill")
 @suite_options
 @click.option(
@@ -74,11 +88,13 @@ def bench_prefill(
         table.add_column(col, justify="right")
     by_shape: dict[tuple, dict[str, str]] = {}
     for r in rows:
-        cell = f"{r.tflops:.0f}" if r.tflops is not None else ("wrong" if r.note.startswith("wrong") else "-")
+        cell = f"{r.tflops:.0f}" if r.tflops is not None else _missing(r.note)
         by_shape.setdefault((r.head_dim, r.causal, r.seqlen, r.batch, r.heads), {})[r.impl] = cell
     for key, cells in by_shape.items():
         table.add_row(*(str(x) for x in key), *(cells.get(n, "") for n in names))
-    Console(width=200).print(table)
+    console = Console(width=200)
+    console.print(table)
+    _print_refusals(console, [(r.impl, r.note) for r in rows])
 
 
 @bench.command("decode")
@@ -123,7 +139,7 @@ def bench_decode(batches, cache_lengths, heads, kv_heads, head_dim, page_sizes, 
 
 def _print_cases(rows: list[dict], title: str, columns: dict) -> None:
     """A table of `bench_cases` rows: one line per Problem (its `columns`, each a function of a
-    row), one column per implementation with its rate, "wrong" or "-" (refused)."""
+    row), one column per implementation with its rate or why it has none (`_missing`)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -134,13 +150,15 @@ def _print_cases(rows: list[dict], title: str, columns: dict) -> None:
     cells: dict[tuple, dict[str, str]] = {}
     for r in rows:
         key = tuple(column(r) for column in columns.values())
-        cell = f"{r['rate']:.0f}" if r["rate"] else ("wrong" if "wrong" in r["note"] else "-")
+        cell = f"{r['rate']:.0f}" if r["rate"] else _missing(r["note"])
         if r["rate"] and "eager_rate" in r:
             cell += "".join(f" / {r[k]:.0f}" if r[k] else " / -" for k in ("eager_rate", "graph_rate"))
         cells.setdefault(key, {})[r["impl"]] = cell
     for key, row in cells.items():
         table.add_row(*(str(x) for x in key), *(row.get(n, "") for n in names))
-    Console(width=200).print(table)
+    console = Console(width=200)
+    console.print(table)
+    _print_refusals(console, [(r["impl"], r["note"]) for r in rows])
 
 
 @bench.command("backward")
@@ -239,11 +257,12 @@ def bench_fp8(seqlens, causal, tokens, hidden, batches, cache_lengths, page_size
         elif r.ms is not None:  # the quantize step: no FLOPs of its own
             cell = f"{r.ms * 1e3:.0f} us"
         else:
-            cell = "wrong" if r.note.startswith("wrong") else "-"
+            cell = _missing(r.note)
         cells.setdefault((r.causal, r.seqlen, r.batch, r.heads), {})[r.impl] = cell
     for key, row in cells.items():
         table.add_row(*(str(x) for x in key), *(row.get(n, "") for n in names))
     console.print(table)
+    _print_refusals(console, [(r.impl, r.note) for r in prefill_rows])
     table = Table(
         title="FP8 against bf16 (prefill: tunegen-fp8 / tunegen-bf16, end to end from bf16 with the "
         "quantize step, that step's time over the FP8 kernel's; decode: time of bf16 / FP8 cache)"

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from tunegen.cli.options import db_option, opened_store
 from tunegen.cli.text import problem_text, speed, variant_text
+
+if TYPE_CHECKING:
+    from tunegen.tuning_db import WinnerRecord
 
 
 @click.command("list")
@@ -22,12 +26,10 @@ def list_winners(db_url: str | None, gpu_name: str | None, family: str | None, f
     from rich.console import Console
     from rich.table import Table
 
-    from tunegen.tuning_db.exchange import entry
-
     with opened_store(db_url, readonly=True) as store:
         winners = store.winners(gpu_name=gpu_name, family=family)
     if fmt == "json":
-        click.echo(json.dumps([{"id": w.id, "gpu": w.gpu.name, **entry(w)} for w in winners], indent=1))
+        click.echo(json.dumps([{"id": w.id, "gpu": w.gpu.name, **_entry(w)} for w in winners], indent=1))
         return
     table = Table(title=f"{len(winners)} winners")
     for col in ("id", "gpu", "family", "problem", "variant", "ms", "speed", "vs peer", "triton"):
@@ -38,7 +40,7 @@ def list_winners(db_url: str | None, gpu_name: str | None, family: str | None, f
             w.gpu.name,
             w.family,
             problem_text(w.problem),
-            variant_text(w.variant),
+            variant_text(w),
             f"{w.median_ms:.4f}",
             speed(w),
             f"{w.speedup:.2f}x {w.peer_name}" if w.speedup else "-",
@@ -54,14 +56,20 @@ def show(db_url: str | None, winner_id: int) -> None:
     """Show one Winner with its provenance (ids come from `tunegen list`)."""
     import dataclasses
 
-    from tunegen.tuning_db.exchange import entry
-
     with opened_store(db_url, readonly=True) as store:
         found = store.winners(winner_id=winner_id)
     if not found:
         raise click.ClickException(f"no winner with id {winner_id}")
     w = found[0]
-    click.echo(json.dumps({"id": w.id, "gpu": dataclasses.asdict(w.gpu), **entry(w)}, indent=2))
+    click.echo(json.dumps({"id": w.id, "gpu": dataclasses.asdict(w.gpu), **_entry(w)}, indent=2))
+
+
+def _entry(w: WinnerRecord) -> dict:
+    """A Winner as `list` and `show` print it: its exchange entry with only the knobs that apply."""
+    from tunegen.kernels.database import applicable_knobs
+    from tunegen.tuning_db.exchange import entry
+
+    return {**entry(w), "variant": applicable_knobs(w)}
 
 
 @click.command("export")
@@ -125,6 +133,7 @@ def export_winners(
 )
 def import_winners(db_url: str | None, files: tuple[Path, ...]) -> None:
     """Import Winners from exported JSON files; a faster result replaces a slower one."""
+    from tunegen.export.json_files import with_every_knob
     from tunegen.tuning_db import import_document
 
     documents = []
@@ -136,7 +145,7 @@ def import_winners(db_url: str | None, files: tuple[Path, ...]) -> None:
     with opened_store(db_url, readonly=False) as store:
         for path, document in documents:
             try:
-                report = import_document(store, document)
+                report = import_document(store, with_every_knob(document))
             except ValueError as exc:
                 raise click.ClickException(f"{path}: {exc}; nothing from it was imported") from None
             click.echo(

@@ -13,7 +13,8 @@ from tunegen.cli.options import db_option
 @db_option
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
 def doctor(db_url: str | None, fmt: str) -> None:
-    """The GPU, versions, database, winners for this GPU, stale ones, and dispatch's fallbacks."""
+    """The GPU, versions, database, winners for this GPU, stale ones, and dispatch's fallbacks for
+    each family (FP8 apart) with winners for this GPU (prefill where none has)."""
     from tunegen.measure.doctor import render_text, report
 
     result = report(db_url)

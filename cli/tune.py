@@ -52,8 +52,19 @@ from tunegen.cli.text import problem_text, speed, variant_text
 @click.option(
     "--tokens", type=int, default=16384, show_default=True, help="Tokens per batch: B = tokens / N."
 )
-@click.option("--trials", type=int, default=40, show_default=True, help="Variants evaluated per Problem.")
-@click.option("--timeout", type=float, default=None, help="Seconds per Problem at most.")
+@click.option(
+    "--trials",
+    type=click.IntRange(min=1),
+    default=40,
+    show_default=True,
+    help="Variants evaluated per Problem.",
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Seconds per Problem at most.",
+)
 @click.option(
     "--sampler", type=click.Choice(["tpe", "random", "grid", "cmaes", "gp"]), default="tpe", show_default=True
 )
@@ -67,13 +78,14 @@ from tunegen.cli.text import problem_text, speed, variant_text
 )
 @click.option(
     "--workers",
-    type=int,
+    type=click.IntRange(min=1),
     default=None,
-    help="Compile processes in all, spread over the GPUs (default: the CPU count, at most 16 per GPU).",
+    help="Compile processes in all, spread over the GPUs, at least one each (default: the CPU cores this "
+    "process may use, at most 16 per GPU).",
 )
 @click.option(
     "--trial-timeout",
-    type=float,
+    type=click.FloatRange(min=0, min_open=True),
     default=120.0,
     show_default=True,
     help="Seconds before a compile or a timing run counts as hung.",
@@ -154,7 +166,8 @@ def tune(
         ranks = _ranks(gpus, interpret)
     except ValueError as exc:
         raise click.BadParameter(str(exc).removeprefix("gpus: "), param_hint="--gpus") from None
-    per_rank = max(1, (workers or min(16 * len(ranks), os.cpu_count() or 1)) // len(ranks))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    per_rank = max(1, (workers or min(16 * len(ranks), cores)) // len(ranks))
     options = TuneOptions(
         trials=trials,
         timeout=timeout,
@@ -171,6 +184,7 @@ def tune(
         BarColumn(),
         TextColumn("{task.completed}/{task.total} trials"),
         TextColumn("{task.fields[best]}"),
+        TextColumn("{task.fields[peer]}"),
         TimeElapsedColumn(),
         TimeRemainingColumn(),
     )
@@ -180,6 +194,7 @@ def tune(
                 problem_text(p.as_dict()) + (f" on {where[gpu]}" if len(ranks) > 1 else ""),
                 total=options.trials,
                 best="",
+                peer="",
             )
             for gpu in by_gpu
             for j, p in enumerate(todo)
@@ -187,7 +202,10 @@ def tune(
 
         def report(gpu, j, state):
             best = f"best {state['best_rate']:.0f} {state['unit']}" if state["best_rate"] else ""
-            progress.update(tasks[(gpu, j)], completed=min(state["evaluated"], options.trials), best=best)
+            peer = f"vs {state['peer_name']} {state['peer_rate']:.0f}" if state["peer_rate"] else ""
+            progress.update(
+                tasks[(gpu, j)], completed=min(state["evaluated"], options.trials), best=best, peer=peer
+            )
 
         def finished(gpu, j, outcome):
             progress.update(tasks[(gpu, j)], completed=options.trials)
@@ -209,7 +227,7 @@ def tune(
         table.add_row(
             *([where[gpu]] if len(ranks) > 1 else []),
             problem_text(o.problem.as_dict()),
-            variant_text(w.variant) if w else "none found",
+            variant_text(w) if w else "none found",
             speed(w) if w else "-",
             f"{w.peer_name} {speed(w, w.peer_ms)}" if w and w.peer_ms else "-",
             f"{w.speedup:.2f}x" if w and w.speedup else "-",

@@ -17,14 +17,18 @@ from tunegen.eager import (
     wants_grad,
 )
 from tunegen.kernels import dispatch
+from tunegen.kernels.families import get
+from tunegen.kernels.families.base import applicable
 from tunegen.kernels.gpu import gpu_of
 
 
 def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any) -> dict[str, Any]:
     """Which kernel a call with these arguments runs, and why: the Problem, the Gpu, the source
-    ("winner", "nearest" bucket, "default", or "torch" for the PyTorch fallback), the Variant and
-    the Winner's provenance. Takes the arguments of `attention`, or of `attention_varlen` when q
-    is packed (3-D); builds the kernel if this is the first call for the Problem."""
+    ("winner", "nearest" bucket, "default", or "torch" for the PyTorch fallback), the Variant's
+    knobs that apply to the Problem on that Gpu (`base.applicable`; the others keep their
+    defaults) and the Winner's provenance. Takes the arguments of `attention`, or of
+    `attention_varlen` when q is packed (3-D); builds the kernel if this is the first call for the
+    Problem."""
     varlen = isinstance(q, torch.Tensor) and q.dim() == 3
     if varlen:
         names = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
@@ -78,7 +82,7 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwa
         "problem": problem.as_dict(),
         "gpu": gpu.name,
         "source": choice.source,
-        "variant": choice.kernel.variant.as_dict(),
+        "variant": applicable(get(problem.family), choice.kernel.variant, problem, gpu),
         "winner": winner,
         "stale": choice.stale,
         "reason": choice.reason,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -82,14 +83,37 @@ def test_check_then_time_times_only_what_is_right(monkeypatch):
     def refuse():
         raise RuntimeError("no kernel for this shape\nmore")
 
-    results = rows.check_then_time(
-        {
-            "ok": (lambda: 0.001, float, 0.01),
-            "wrong": (lambda: 0.5, float, 0.01),
-            "refuses": (refuse, float, 0.01),
-        }
-    )
+    def refuse_as_sdpa_does():  # SDPA explains each backend it rules out, then raises
+        warnings.warn(  # as PyTorch 2.11 gives it from C++
+            "Memory efficient kernel not used because: (Triggered internally at "
+            "/pytorch/aten/src/ATen/native/transformers/cuda/sdp_utils.cpp:986.)",
+            UserWarning,
+            stacklevel=1,
+        )
+        warnings.warn(
+            "For dense input, both fused kernels require query, key and value to have the same num_heads.",
+            UserWarning,
+            stacklevel=1,
+        )
+        warnings.warn("Flash attention has been runtime disabled.", UserWarning, stacklevel=1)
+        raise RuntimeError("No available kernel. Aborting execution.")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # probing prints nothing
+        results = rows.check_then_time(
+            {
+                "ok": (lambda: 0.001, float, 0.01),
+                "wrong": (lambda: 0.5, float, 0.01),
+                "refuses": (refuse, float, 0.01),
+                "sdpa": (refuse_as_sdpa_does, float, 0.01),
+            }
+        )
     assert timed == [["ok"]]
     assert results["ok"] == (1.0, 0.001, "")
     assert results["wrong"][0] is None and results["wrong"][2] == "wrong: relative error 5.00e-01"
-    assert results["refuses"] == (None, None, "unsupported: RuntimeError: no kernel for this shape")
+    assert results["refuses"] == (None, None, "n/a (no kernel for this shape)")
+    assert results["sdpa"] == (
+        None,
+        None,
+        "n/a (For dense input, both fused kernels require query, key and value to have the same num_heads.)",
+    )

@@ -1,65 +1,142 @@
-"""`tunegen doctor` reports the database, this GPU's winners, stale ones and dispatch coverage."""
+"""`tunegen doctor` reports the database, this GPU's winners, stale ones and, for each family with
+winners, dispatch coverage."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import warnings
 
 from click.testing import CliRunner
 
 from tunegen.cli.main import main
 from tunegen.kernels.database import gpu_record
+from tunegen.kernels.families import get
+from tunegen.kernels.problem import Problem
 from tunegen.measure.doctor import current_gpu
 from tunegen.tuning.presets import PRESETS, problems
 from tunegen.tuning_db import Store, WinnerRecord
 
 
+def suite(family: str = "prefill", fp8: bool = False) -> list[Problem]:
+    """The preset Problems doctor counts for a family: every preset, causal and not, and
+    `tunegen tune`'s default lengths and decode batch sizes."""
+    return problems(list(PRESETS.values()), causal=(False, True), family=family, fp8=fp8)
+
+
+def record(url: str, problem: Problem, triton_version: str | None = None) -> None:
+    """Record the family's default Variant as this GPU's Winner for `problem`."""
+    gpu = current_gpu()
+    variant = get(problem.family).default_variant(problem, gpu).as_dict()
+    with Store(url) as store:
+        store.record_winner(
+            WinnerRecord(
+                gpu_record(gpu),
+                problem.family,
+                problem.as_dict(),
+                variant,
+                1.0,
+                1e-3,
+                triton_version or gpu.triton_version,
+                "2.13",
+                "h",
+            )
+        )
+
+
+def doctor(*args: str) -> str:
+    """`tunegen doctor ARGS`'s output, run with every warning an error (doctor warns of nothing)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = CliRunner().invoke(main, ["doctor", *args])
+    assert result.exit_code == 0, f"{result.output}{result.exception!r}"
+    return result.output
+
+
+def dispatch_lines(text: str) -> list[str]:
+    """The text report's dispatch lines, one per family, without the left column."""
+    lines = text.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("dispatch "))
+    return [line[11:] for line in lines[first:]]
+
+
 def test_doctor_lists_stale_winners_and_coverage(tmp_path):
     url = f"sqlite:///{tmp_path / 'd.db'}"
-    gpu = current_gpu()
-    suite = problems(list(PRESETS.values()), causal=(False, True), seqlens=(1024, 4096, 16384))
-    variant = {
-        "block_m": 64,
-        "block_n": 64,
-        "num_warps": 4,
-        "num_stages": 2,
-        "causal_split": True,
-        "load": "ptr",
-        "order": "m_inner",
-        "reverse_m": False,
-    }
-    with Store(url) as store:
-        for problem, triton_version in ((suite[0], gpu.triton_version), (suite[1], "2.0.0")):
-            store.record_winner(
-                WinnerRecord(
-                    gpu_record(gpu),
-                    "prefill",
-                    problem.as_dict(),
-                    variant,
-                    1.0,
-                    1e-3,
-                    triton_version,
-                    "2.13",
-                    "h",
-                )
-            )
-    result = CliRunner().invoke(main, ["doctor", "--db", url, "--format", "json"])
-    assert result.exit_code == 0, result.output
-    report = json.loads(result.output)
+    prefill = suite()
+    record(url, prefill[0])
+    record(url, prefill[1], "2.0.0")
+    report = json.loads(doctor("--db", url, "--format", "json"))
     assert report["database"]["schema"] == report["database"]["head"]
     assert report["winners_for_this_gpu"]["user"] == 2
     assert [s["triton_version"] for s in report["stale"]] == ["2.0.0"]
     cov = report["coverage"]
-    assert cov["winner"] == 2 and cov["winner"] + cov["nearest"] + cov["default"] == len(suite)
-    text = CliRunner().invoke(main, ["doctor", "--db", url]).output
-    assert "stale      1 tuned under another Triton" in text and "2 tuned" in text
+    assert cov["winner"] == 2 and cov["winner"] + cov["nearest"] + cov["default"] == len(prefill)
+    # Prefill winners alone: prefill's line alone.
+    assert list(report["dispatch"]) == ["prefill"] and report["dispatch"]["prefill"] == cov
+    text = doctor("--db", url)
+    assert "stale      1 tuned under another Triton" in text
+    assert dispatch_lines(text) == [
+        "prefill, every preset, causal and not, N = 1024, 4096, 16384, bf16: "
+        f"2 tuned, {cov['nearest']} nearest bucket, {cov['default']} default Variant"
+    ]
+
+
+def test_doctor_counts_each_family_with_winners(user_db):
+    """Decode, backward and FP8 prefill winners each get their family's counts (by TUNEGEN_DB);
+    prefill and FP8 decode, with none, get no line."""
+    decode, backward, fp8 = suite("decode"), suite("backward"), suite("prefill", fp8=True)
+    # Dispatch takes a nearest bucket at most 3 size doublings away (batch, query and KV length
+    # summed). llama3-8b's decode at B = 1, N = 1024 exactly; of the other 8 Problems with its
+    # features (B = 1, 16, 64 by N = 1024, 4096, 16384; mistral-7b's are the same), only B = 1,
+    # N = 4096 is that near (2 doublings); N = 16384 or B = 16 are 4 away.
+    record(user_db, decode[0])
+    # Backward tuned only at B = 2, N = 8192, a size the suite lacks: B = 4, N = 4096 and B = 1,
+    # N = 16384 are 3 doublings away (nearest); B = 16, N = 1024 is 9 away (default).
+    record(user_db, dataclasses.replace(backward[0], batch=2, seqlen_q=8192, seqlen_k=8192))
+    # Two of FP8 prefill's Problems exactly (N = 1024 and 4096); N = 16384 is 6 doublings from
+    # the nearer one: the default.
+    record(user_db, fp8[0])
+    record(user_db, fp8[1])
+    report = json.loads(doctor("--format", "json"))
+    counts = {
+        key: (c["winner"], c["nearest"], c["default"], len(c["falls_back"]))
+        for key, c in report["dispatch"].items()
+    }
+    assert counts == {
+        "decode": (1, 1, len(decode) - 2, len(decode) - 2),
+        "backward": (0, 2, len(backward) - 2, len(backward) - 2),
+        "prefill-fp8": (2, 0, len(fp8) - 2, len(fp8) - 2),
+    }
+    assert report["dispatch"]["prefill-fp8"]["label"] == "FP8 prefill (e4m3 inputs, bf16 output)"
+    assert all(p["fp8"] for p in report["dispatch"]["prefill-fp8"]["falls_back"])
+    assert report["coverage"]["winner"] == 0 and report["coverage"]["default"] == len(suite())
+    assert dispatch_lines(doctor()) == [
+        f"decode, every preset, B = 1, 16, 64, cache length 1024, 4096, 16384, bf16: "
+        f"1 tuned, 1 nearest bucket, {len(decode) - 2} default Variant",
+        f"backward, every preset, causal and not, N = 1024, 4096, 16384, bf16: "
+        f"0 tuned, 2 nearest bucket, {len(backward) - 2} default Variant",
+        f"FP8 prefill (e4m3 inputs, bf16 output), every preset, causal and not, N = 1024, 4096, 16384: "
+        f"2 tuned, 0 nearest bucket, {len(fp8) - 2} default Variant",
+    ]
+    # At B = 2, N = 1024: B = 1 and 16 at N = 1024 and B = 1 at N = 4096 are within 3 doublings.
+    record(user_db, dataclasses.replace(suite("decode", fp8=True)[0], batch=2))
+    assert dispatch_lines(doctor())[-1] == (
+        "decode over an e4m3 KV cache, every preset, B = 1, 16, 64, cache length 1024, 4096, 16384, "
+        "bf16 queries: 0 tuned, 3 nearest bucket, 33 default Variant"
+    )
 
 
 def test_doctor_reports_a_broken_database(tmp_path):
     (tmp_path / "junk.db").write_bytes(b"junk" * 1000)
-    result = CliRunner().invoke(main, ["doctor", "--db", f"sqlite:///{tmp_path / 'junk.db'}"])
-    assert result.exit_code == 0 and "ERROR:" in result.output and "not a SQLite database" in result.output
+    text = doctor("--db", f"sqlite:///{tmp_path / 'junk.db'}")
+    assert "ERROR:" in text and "not a SQLite database" in text
 
 
 def test_doctor_on_a_database_not_created_yet(tmp_path):
-    result = CliRunner().invoke(main, ["doctor", "--db", f"sqlite:///{tmp_path / 'none.db'}"])
-    assert "not created yet" in result.output and not (tmp_path / "none.db").exists()
+    """No winners at all: the prefill line, every Problem on the default; no database made."""
+    text = doctor("--db", f"sqlite:///{tmp_path / 'none.db'}")
+    assert "not created yet" in text and not (tmp_path / "none.db").exists()
+    assert dispatch_lines(text) == [
+        "prefill, every preset, causal and not, N = 1024, 4096, 16384, bf16: "
+        f"0 tuned, 0 nearest bucket, {len(suite())} default Variant"
+    ]

@@ -191,8 +191,13 @@ def test_bench_fp8_documents_put_fp8_beside_bf16(tmp_path):
     doc = tmp_path / "fp8.json"
     doc.write_text(json.dumps({"prefill": prefill, "decode": cache, "speedups": [{"family": "decode"}]}))
     rows = report.load_results([doc])
-    assert sorted({r.impl for r in rows}) == ["tunegen", "tunegen-bf16", "tunegen-fp8", "tunegen-fp8-cache"]
+    assert sorted({r.impl for r in rows}) == [
+        "tunegen",
+        "tunegen (e4m3 KV cache)",
+        "tunegen-bf16",
+        "tunegen-fp8 (e4m3 inputs, bf16 output)",
+    ]
     assert len(report._groups(rows)) == 2, "one plot for prefill, one for decode, each with both dtypes"
-    fp8_cache = next(r for r in rows if r.impl == "tunegen-fp8-cache")
+    fp8_cache = next(r for r in rows if r.impl == "tunegen (e4m3 KV cache)")
     bf16_cache = next(r for r in rows if r.impl == "tunegen" and r.seqlen == fp8_cache.seqlen)
     assert fp8_cache.bytes == bf16_cache.bytes / 2

@@ -6,10 +6,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-import torch
-import triton
-
 from tunegen.kernels import dispatch
+from tunegen.kernels.database import gpu_from_record
 from tunegen.kernels.families import FAMILIES, get
 from tunegen.kernels.gpu import Gpu
 from tunegen.kernels.problem import Problem
@@ -49,20 +47,6 @@ class Selection:
         """The GPUs the selected Winners were tuned on (without driver versions), in name order."""
         found = {dataclasses.replace(s.winner.gpu, driver="") for s in self.selected}
         return sorted(found, key=GpuRecord.identity)
-
-
-def gpu_from_record(record: GpuRecord) -> Gpu:
-    """The Gpu a stored record names, with this process's Triton and torch versions."""
-    major, _, minor = record.capability.partition(".")
-    return Gpu(
-        name=record.name,
-        capability=(int(major), int(minor or 0)),
-        sm_count=record.sm_count,
-        smem_per_block=record.smem_per_block,
-        triton_version=triton.__version__,
-        torch_version=torch.__version__,
-        backend=record.backend,
-    )
 
 
 def wanted_families(families: Sequence[str]) -> set[str]:

@@ -146,35 +146,46 @@ def _candidates(
     return _usable(user, problem, gpu) + _usable(shipped, problem, gpu, shipped=True)
 
 
-def choose(problem: Problem, gpu: Gpu) -> Choice:
-    """Find and build what serves `problem` on `gpu` (the slow path, once per Problem)."""
-    family = get(problem.family)
-    winners = snapshot.for_gpu(gpu)
+class Selection(NamedTuple):
+    """What dispatch would serve from a snapshot, before building it: the source ("winner",
+    "nearest" or "default"), the Winner and Variant (None and the default Variant for "default"),
+    and how many Winners with the Problem's features were too far to use."""
+
+    source: str
+    winner: WinnerRecord | None
+    variant: base.Variant
+    too_far: int
+
+
+def select(problem: Problem, gpu: Gpu, winners: snapshot.Snapshot) -> Selection:
+    """The exact Winner, else the nearest usable bucket with the same features (at most
+    NEAREST_MAX_DISTANCE away), else the family's default; ties by `preference`."""
     exact = _candidates(winners, problem, gpu)
     same_features = [] if exact else _candidates(winners, problem, gpu, same_features=True)
     nearby = [c for c in same_features if _distance(problem, c.winner.problem) <= NEAREST_MAX_DISTANCE]
     if exact or nearby:
         winner, variant, _ = _best(exact or nearby, problem, gpu)
-    else:
-        winner, variant = None, family.default_variant(problem, gpu)
-    if exact:
-        source, reason = "winner", f"tuned for this Problem on {winner.gpu.name} ({winner.median_ms:.4g} ms)"
-    elif nearby:
+        return Selection("winner" if exact else "nearest", winner, variant, 0)
+    default = get(problem.family).default_variant(problem, gpu)
+    return Selection("default", None, default, len(same_features))
+
+
+def choose(problem: Problem, gpu: Gpu) -> Choice:
+    """Find and build what serves `problem` on `gpu` (the slow path, once per Problem)."""
+    winners = snapshot.for_gpu(gpu)
+    source, winner, variant, too_far = select(problem, gpu, winners)
+    if source == "winner":
+        reason = f"tuned for this Problem on {winner.gpu.name} ({winner.median_ms:.4g} ms)"
+    elif source == "nearest":
         sizes = "x".join(str(winner.problem.get(n)) for n in ("batch", "seqlen_q", "seqlen_k"))
-        source, reason = (
-            "nearest",
-            f"tuned for the nearest bucket with the same features (B x Nq x Nk = {sizes})",
-        )
+        reason = f"tuned for the nearest bucket with the same features (B x Nq x Nk = {sizes})"
     else:
-        source = "default"
         reason = (
             f"no tuned winner for this Problem's features on {gpu.name}: the {gpu.arch} default for head dim "
             f"{problem.head_dim}" + (f" (database unavailable: {winners.error})" if winners.error else "")
         )
-        if same_features:
-            reason += (
-                f"; {len(same_features)} winner(s) with these features are more than one size doubling away"
-            )
+        if too_far:
+            reason += f"; {too_far} winner(s) with these features are more than one size doubling away"
     stale = winner is not None and winner.triton_version != gpu.triton_version
     if stale:
         reason += f"; tuned under Triton {winner.triton_version}, running {gpu.triton_version} (stale)"
@@ -185,7 +196,7 @@ def choose(problem: Problem, gpu: Gpu) -> Choice:
             StaleWinnerWarning,
             stacklevel=3,
         )
-    kernel = base.build(family, variant, problem, gpu)
+    kernel = base.build(get(problem.family), variant, problem, gpu)
     return Choice(kernel=kernel, source=source, reason=reason, winner=winner, stale=stale)
 
 

@@ -3,7 +3,10 @@ each of PyTorch's scaled_dot_product_attention backends, and FlexAttention."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import re
+import warnings
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +55,31 @@ def flex(causal: bool, shape: tuple[int, int, int, int], device: torch.device) -
         return compiled(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
 
     return run
+
+
+# What PyTorch appends to the warnings its C++ code gives.
+INTERNAL = re.compile(r"\s*\(Triggered internally at [^)]*\)\s*$")
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[list[warnings.WarningMessage]]:
+    """Collect, rather than print, the warnings PyTorch gives while a peer's first call finds out
+    whether it can run the inputs (SDPA explains each backend it rules out); `refusal` reads
+    them. Only the first call needs it: a call that ran once runs again without a word."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield caught
+
+
+def refusal(exc: BaseException, caught: list[warnings.WarningMessage]) -> str:
+    """Why a peer could not run, in a line: PyTorch's most specific explanation among the warnings
+    `caught` while it tried (not its "... not used because:" headings, nor the backends it was
+    told to skip), else the error's first line."""
+    said = [" ".join(INTERNAL.sub("", str(w.message)).split()) for w in caught]
+    specific = [m for m in said if m and not m.endswith(":") and "runtime disabled" not in m]
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    reason = specific[0] if specific else first
+    return reason if len(reason) <= 160 else reason[:157] + "..."
 
 
 def available() -> list[str]:

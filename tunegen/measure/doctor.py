@@ -1,18 +1,70 @@
 """`tunegen doctor`: what this machine runs, which database it reads, which winners it has for
-this GPU, which are stale, and where dispatch would fall back to nearest buckets or defaults."""
+this GPU, which are stale, and where dispatch would fall back to nearest buckets or defaults: for
+each family (FP8 prefill and decode apart) with a Winner for this GPU, prefill where none has."""
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 from typing import Any
 
 import torch
 import triton
 
-from tunegen.kernels.database import database_url, gpu_record, open_store, winners_for
+from tunegen.kernels import snapshot
+from tunegen.kernels.database import database_url, gpu_record, open_store
+from tunegen.kernels.dispatch import select
 from tunegen.kernels.gpu import Gpu, cuda_gpu, driver_version, interpreter_gpu
+from tunegen.kernels.problem import Problem
 from tunegen.tuning.presets import PRESETS, problems
 from tunegen.tuning_db import TuningDbError, head_revision, shipped_store
+
+# `tunegen tune`'s default sequence lengths and decode batch sizes: each suite below counts, for
+# every preset and causal and not, the Problems that `tunegen tune --family F [--fp8]` covers.
+SEQLENS = (1024, 4096, 16384)
+BATCHES = (1, 16, 64)
+_NS = ", ".join(map(str, SEQLENS))
+_BS = ", ".join(map(str, BATCHES))
+
+
+@dataclasses.dataclass(frozen=True)
+class Suite:
+    """The preset Problems of one family (FP8 apart) whose dispatch doctor counts, and how the
+    report names them: `label` says what the family is, `description` which shapes."""
+
+    family: str
+    fp8: bool
+    label: str
+    description: str
+
+    def problems(self) -> list[Problem]:
+        """Every preset's Problems for this family, causal and not where the family has both."""
+        models = list(PRESETS.values())
+        return problems(
+            models, causal=(False, True), seqlens=SEQLENS, batches=BATCHES, family=self.family, fp8=self.fp8
+        )
+
+
+# By the key a Winner's family and FP8 flag give (`family_key`), in the order the report lists them.
+SUITES = {
+    "prefill": Suite("prefill", False, "prefill", f"every preset, causal and not, N = {_NS}, bf16"),
+    "decode": Suite("decode", False, "decode", f"every preset, B = {_BS}, cache length {_NS}, bf16"),
+    "backward": Suite("backward", False, "backward", f"every preset, causal and not, N = {_NS}, bf16"),
+    "prefill-fp8": Suite(
+        "prefill", True, "FP8 prefill (e4m3 inputs, bf16 output)", f"every preset, causal and not, N = {_NS}"
+    ),
+    "decode-fp8": Suite(
+        "decode",
+        True,
+        "decode over an e4m3 KV cache",
+        f"every preset, B = {_BS}, cache length {_NS}, bf16 queries",
+    ),
+}
+
+
+def family_key(problem: dict[str, Any]) -> str:
+    """The suite a Problem (as a dict) belongs to: its family, with "-fp8" for FP8 ones."""
+    return problem["family"] + ("-fp8" if problem.get("fp8") else "")
 
 
 def current_gpu() -> Gpu:
@@ -55,28 +107,40 @@ def report(url: str | None = None) -> dict[str, Any]:
         for w in group
         if w.triton_version != gpu.triton_version
     ]
-    coverage = {"winner": [], "nearest": [], "default": []}
-    suite = problems(list(PRESETS.values()), causal=(False, True), seqlens=(1024, 4096, 16384))
-    if out["database"]["error"] is None:
-        for problem in suite:
-            if winners_for(gpu, problem, url):
-                kind = "winner"
-            elif winners_for(gpu, problem, url, same_features=True):
-                kind = "nearest"
-            else:
-                kind = "default"
-            coverage[kind].append(problem.as_dict())
-    out["coverage"] = {
-        "suite": "every preset, causal and not, N = 1024, 4096, 16384, bf16",
-        **{k: len(v) for k, v in coverage.items()},
-        "falls_back": coverage["default"],
-    }
+    winners = snapshot.Snapshot(tuple(mine), tuple(shipped), out["database"]["error"])
+    out["dispatch"] = dispatch(winners, gpu)
+    # Prefill's counts where they were before doctor covered every family, for the scripts that read them.
+    out["coverage"] = out["dispatch"].get("prefill") or coverage(SUITES["prefill"], winners, gpu)
     return out
+
+
+def dispatch(winners: snapshot.Snapshot, gpu: Gpu) -> dict[str, dict[str, Any]]:
+    """For each suite with a Winner among `winners` (this GPU's: the user's and shipped), or for
+    prefill alone where there are none, how many of its Problems dispatch would serve from a
+    Winner, a nearest bucket or a default (see `coverage`)."""
+    present = {family_key(w.problem) for w in (*winners.user, *winners.shipped)}
+    keys = [key for key in SUITES if key in present] or ["prefill"]
+    return {key: coverage(SUITES[key], winners, gpu) for key in keys}
+
+
+def coverage(suite: Suite, winners: snapshot.Snapshot, gpu: Gpu) -> dict[str, Any]:
+    """How `suite`'s Problems fare among `winners` on `gpu`, by dispatch's own rule (`select`): a
+    Winner for exactly the Problem, else a usable nearest bucket, else the default Variant; with
+    the label, the suite's description and the Problems that get the default."""
+    kinds: dict[str, list[dict[str, Any]]] = {"winner": [], "nearest": [], "default": []}
+    for problem in suite.problems():
+        kinds[select(problem, gpu, winners).source].append(problem.as_dict())
+    return {
+        "label": suite.label,
+        "suite": suite.description,
+        **{kind: len(found) for kind, found in kinds.items()},
+        "falls_back": kinds["default"],
+    }
 
 
 def render_text(r: dict[str, Any]) -> str:
     """The report as lines a person reads."""
-    g, db, cov = r["gpu"], r["database"], r["coverage"]
+    g, db = r["gpu"], r["database"]
     if g["backend"] == "cuda":
         arch = f"sm_{g['capability'][0]}{g['capability'][1]}"
         gpu = f"{g['name']} ({arch}, {g['sm_count']} SMs, driver {r['driver']})"
@@ -106,8 +170,9 @@ def render_text(r: dict[str, Any]) -> str:
         ]
     else:
         lines.append("stale      none")
-    lines.append(
-        f"dispatch   {cov['suite']}: {cov['winner']} tuned, {cov['nearest']} nearest bucket, "
-        f"{cov['default']} default Variant"
-    )
+    for i, cov in enumerate(r["dispatch"].values()):
+        lines.append(
+            f"{'dispatch' if i == 0 else '':<11}{cov['label']}, {cov['suite']}: {cov['winner']} tuned, "
+            f"{cov['nearest']} nearest bucket, {cov['default']} default Variant"
+        )
     return "\n".join(lines)

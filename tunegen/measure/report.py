@@ -16,6 +16,12 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+# What each of bench fp8's prefill implementations computes in, for the plots' legends.
+FP8_PREFILL = {
+    "tunegen-fp8": "e4m3 inputs, bf16 output",
+    "tunegen-fp8-hadamard": "bf16 inputs rotated and quantized to e4m3, bf16 output",
+    "quantize-fp8": "bf16 to e4m3",
+}
 ELEMENT_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4, "fp8": 1}
 # Reads and writes of (B, H, N, D) tensors per family, as multiples of q's and k's sizes:
 # forward reads Q, K, V and writes O; backward also reads O and dO and writes dQ, dK, dV.
@@ -121,7 +127,9 @@ def measurement(row: dict[str, Any], source: str = "") -> Measurement:
             seqlen_q, seqlen_k = int(row["seqlen_q"]), int(row["seqlen_k"])
         impl, dtype = str(row["impl"]), str(row["dtype"])
         if _flag(row.get("fp8")) and family == "decode":  # bench fp8 times bf16 and e4m3 caches alike
-            impl, dtype = f"{impl}-fp8-cache", "fp8"
+            impl, dtype = f"{impl} (e4m3 KV cache)", "fp8"
+        elif dtype == "fp8" and impl in FP8_PREFILL:
+            impl = f"{impl} ({FP8_PREFILL[impl]})"
         return Measurement(
             family=family,
             impl=impl,

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import triton
 
+from tunegen.kernels import peers
 from tunegen.measure.suites import Shape
 from tunegen.tuning.timing import interleaved_ms
 
@@ -78,17 +79,18 @@ def check_then_time(
 ) -> dict[str, tuple[float | None, float | None, str]]:
     """Run each call once and check its error against float64 within its bound; then time the
     calls that passed together, in rotated rounds (`interleaved_ms`). Returns, per name, (median
-    ms, relative error, note); a refusal or a wrong answer is the note."""
+    ms, relative error, note); the note is "n/a (why)" for an implementation that cannot run the
+    inputs (asked quietly: see peers.quiet), "wrong: ..." for a wrong answer."""
     results: dict[str, tuple[float | None, float | None, str]] = {}
     passed = {}
     for name, (call, error_of, bound) in calls.items():
         try:
-            out = call()
-            torch.cuda.synchronize()
+            with peers.quiet() as caught:
+                out = call()
+                torch.cuda.synchronize()
             err = error_of(out)
         except Exception as exc:  # a peer refusing a shape is a result, not a crash
-            first = str(exc).splitlines()[0][:120] if str(exc) else ""
-            results[name] = (None, None, f"unsupported: {type(exc).__name__}: {first}")
+            results[name] = (None, None, f"n/a ({peers.refusal(exc, caught)})")
             continue
         if not err <= bound:
             results[name] = (None, err, f"wrong: relative error {err:.2e}")

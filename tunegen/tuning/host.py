@@ -15,8 +15,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import multiprocessing
+import multiprocessing.connection
 import os
-import queue
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -54,17 +54,16 @@ def select(spec: str, count: int) -> list[int]:
     if spec == "all":
         return list(range(count))
     try:
-        if "," not in spec:
-            n = int(spec)
-            if not 1 <= n <= count:
-                raise ValueError(f"this host has {count} GPU(s); asked for {n}")
-            return list(range(n))
         indices = [int(part) for part in spec.split(",") if part.strip()]
-    except ValueError as exc:
-        if "this host" in str(exc):
-            raise ValueError(f"gpus: {exc}") from None
-        raise ValueError(f"gpus: expected all, a count or indices like 0,2,5; got {spec!r}") from None
-    if not indices or len(set(indices)) != len(indices):
+    except ValueError:
+        indices = []
+    if not indices:
+        raise ValueError(f"gpus: expected all, a count or indices like 0,2,5; got {spec!r}")
+    if "," not in spec:
+        if not 1 <= indices[0] <= count:
+            raise ValueError(f"gpus: this host has {count} GPU(s); asked for {indices[0]}")
+        return list(range(indices[0]))
+    if len(set(indices)) != len(indices):
         raise ValueError(f"gpus: expected distinct indices, got {spec!r}")
     if not all(0 <= i < count for i in indices):
         raise ValueError(f"gpus: this host's GPUs are 0..{count - 1}; got {spec!r}")
@@ -112,56 +111,51 @@ def _environment(name: str, value: str | None) -> Iterator[None]:
             os.environ[name] = before
 
 
-def _rank_main(
-    rank: Rank,
-    problems: list[Problem],
-    options: TuneOptions,
-    start: int,
-    inbox: Any,
-    outbox: Any,
-) -> None:
+def _rank_main(rank: Rank, problems: list[Problem], options: TuneOptions, start: int, conn: Any) -> None:
     """A rank: search the Problems from `start` on, asking this host's process between Problems
-    whether to finish one (finalize), go on, or stop."""
+    whether to finish one (finalize), go on, or stop. It talks through a pipe of its own, which
+    dies with it: nothing it sent can be mistaken for its successor's."""
     parent = multiprocessing.parent_process()
+    if options.cpus and len(options.cpus) > 1 and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, options.cpus[1:])  # the first core is the timing worker's alone
 
     def answer() -> tuple:
-        while True:
-            try:
-                return inbox.get(timeout=POLL_S)
-            except queue.Empty:
-                if parent is not None and not parent.is_alive():
-                    raise SystemExit(1) from None
+        while not conn.poll(POLL_S):
+            if parent is not None and not parent.is_alive():
+                raise SystemExit(1)
+        return conn.recv()
 
     try:
         with Tuner(rank.gpu, options) as tuner:
 
             def checkpoint(searched: int | None, more: bool) -> str:
-                outbox.put(("ready", rank.index, searched, more))
+                conn.send(("ready", searched, more))
                 while True:
                     kind, *args = answer()
                     if kind != "finalize":
                         return kind
                     (j,) = args
-                    outbox.put(("outcome", rank.index, j, tuner.finalize(problems[j])))
-                    outbox.put(("ready", rank.index, None, more))
+                    conn.send(("outcome", j, tuner.finalize(problems[j])))
+                    conn.send(("ready", None, more))
 
             for i in range(start, len(problems)):
-                outbox.put(("start", rank.index, i))
-                tuner.search(problems[i], lambda state, i=i: outbox.put(("progress", rank.index, i, state)))
+                conn.send(("start", i))
+                tuner.search(problems[i], lambda state, i=i: conn.send(("progress", i, state)))
                 if checkpoint(i, i + 1 < len(problems)) == "stop":
                     return
             if start >= len(problems):
                 checkpoint(None, False)
     except Exception as exc:
-        outbox.put(("error", rank.index, f"{type(exc).__name__}: {exc}"))
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
         raise SystemExit(1) from None
 
 
 @dataclasses.dataclass
 class _State:
     rank: Rank
+    position: int
     process: Any = None
-    inbox: Any = None
+    conn: Any = None
     current: int = 0  # the Problem it searches (or will)
     finalizing: list[int] = dataclasses.field(default_factory=list)
     searched: set[int] = dataclasses.field(default_factory=set)
@@ -180,27 +174,32 @@ class _Host:
         self.progress = progress
         self.finished = finished
         self.context = multiprocessing.get_context("spawn")
-        self.outbox = self.context.Queue()
-        self.states = {r.index: _State(r) for r in ranks}
+        self.states = [_State(rank, position) for position, rank in enumerate(ranks)]
         self.outcomes: dict[tuple[Gpu, int], Outcome] = {}
         self.assigned: set[tuple[Gpu, int]] = set()
         self.started: dict[tuple[Gpu, int], float] = {}
 
     def _start(self, state: _State) -> None:
-        state.inbox = self.context.Queue()
+        state.conn, child = self.context.Pipe()
         state.finalizing = []
         state.waiting = False
-        position = list(self.states).index(state.rank.index)
-        options = dataclasses.replace(self.options, cpus=cores(position, len(self.states)))
-        args = (state.rank, self.problems, options, state.current, state.inbox, self.outbox)
+        # Each rank its own share of the cores and its own sampler seed, so that ranks sharing a
+        # study do not keep proposing the same Variants.
+        options = dataclasses.replace(
+            self.options,
+            cpus=cores(state.position, len(self.states)),
+            seed=self.options.seed + state.position,
+        )
+        args = (state.rank, self.problems, options, state.current, child)
         with _environment("CUDA_VISIBLE_DEVICES", state.rank.visible):
             state.process = self.context.Process(
                 target=_rank_main, args=args, name=f"tunegen-gpu{state.rank.index}"
             )
             state.process.start()
+        child.close()
 
     def _members(self, gpu: Gpu) -> list[_State]:
-        return [s for s in self.states.values() if s.rank.gpu == gpu]
+        return [s for s in self.states if s.rank.gpu == gpu]
 
     def _ready(self, gpu: Gpu) -> list[int]:
         """Problems every rank of this model has searched, not yet handed out."""
@@ -220,24 +219,25 @@ class _Host:
         if ready:
             self.assigned.add((gpu, ready[0]))
             state.finalizing.append(ready[0])
-            state.inbox.put(("finalize", ready[0]))
+            message: tuple = ("finalize", ready[0])
         elif state.more:
-            state.inbox.put(("go",))
+            message = ("go",)
         elif self._group_done(gpu):
-            state.inbox.put(("stop",))
+            message = ("stop",)
             state.done = True
         else:
             return
         state.waiting = False
+        with contextlib.suppress(OSError):  # a rank that just died: revived on the next sweep
+            state.conn.send(message)
 
     def _answer_waiting(self, gpu: Gpu) -> None:
         for state in self._members(gpu):
             if state.waiting:
                 self._answer(state)
 
-    def _handle(self, message: tuple) -> None:
-        kind, index, *args = message
-        state = self.states[index]
+    def _handle(self, state: _State, message: tuple) -> None:
+        kind, *args = message
         gpu = state.rank.gpu
         if kind == "start":
             state.current = args[0]
@@ -260,9 +260,10 @@ class _Host:
             self.finished(gpu, j, outcome)
             self._answer_waiting(gpu)
         elif kind == "error":
-            raise HostError(f"GPU {index}: {args[0]}")
+            raise HostError(f"GPU {state.rank.index}: {args[0]}")
 
     def _revive(self, state: _State) -> None:
+        state.process.join()
         code = state.process.exitcode
         state.restarts += 1
         if state.restarts > MAX_RESTARTS:
@@ -270,6 +271,7 @@ class _Host:
                 f"GPU {state.rank.index}: its tuning process died {state.restarts} times "
                 f"(last exit code {code}); the studies keep what was done: run again to resume"
             )
+        state.conn.close()
         for j in state.finalizing:
             self.assigned.discard((state.rank.gpu, j))
         self._start(state)
@@ -280,29 +282,29 @@ class _Host:
         open_store(url).close()
         studies.prepare(url)
         try:
-            for state in self.states.values():
+            for state in self.states:
                 self._start(state)
-            checked = time.monotonic()
-            while not all(self._group_done(gpu) for gpu in {s.rank.gpu for s in self.states.values()}):
-                with contextlib.suppress(queue.Empty):
-                    self._handle(self.outbox.get(timeout=POLL_S))
-                if time.monotonic() - checked < POLL_S:
-                    continue
-                checked = time.monotonic()
-                for state in self.states.values():
-                    if not state.done and not state.process.is_alive():
+            while not all(self._group_done(s.rank.gpu) for s in self.states):
+                live = {s.conn: s for s in self.states if not s.done}
+                for conn in multiprocessing.connection.wait(list(live), timeout=POLL_S):
+                    state = live[conn]
+                    try:
+                        message = conn.recv()
+                    except (EOFError, OSError):  # it died: its pipe closed with it
                         self._revive(state)
+                        continue
+                    self._handle(state, message)
             return self.outcomes
         finally:
             self._stop()
 
     def _stop(self) -> None:
-        for state in self.states.values():
+        for state in self.states:
             if state.process is not None and state.process.is_alive():
-                with contextlib.suppress(Exception):
-                    state.inbox.put(("stop",))
+                with contextlib.suppress(OSError):
+                    state.conn.send(("stop",))
         deadline = time.monotonic() + 30
-        for state in self.states.values():
+        for state in self.states:
             if state.process is None:
                 continue
             state.process.join(max(0.1, deadline - time.monotonic()))

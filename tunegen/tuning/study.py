@@ -10,6 +10,7 @@ next looks, and its Variant is queued again, so a dead worker leaves nothing run
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import logging
 import re
@@ -18,6 +19,7 @@ import warnings
 from typing import Any
 
 import optuna
+import sqlalchemy
 from optuna.trial import FrozenTrial, TrialState
 
 from tunegen.kernels.gpu import Gpu
@@ -82,13 +84,33 @@ def storage(url: str, heartbeat_s: int, grace_s: int) -> optuna.storages.RDBStor
         engine["connect_args"] = {"timeout": 60}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        return optuna.storages.RDBStorage(
+        rdb = optuna.storages.RDBStorage(
             url,
             engine_kwargs=engine,
             heartbeat_interval=heartbeat_s,
             grace_period=grace_s,
             heartbeat_stale_trial_callback=_requeue,
         )
+    if rdb.engine.dialect.name == "sqlite":
+        _serialize(rdb.engine)
+    return rdb
+
+
+def _serialize(engine: sqlalchemy.engine.Engine) -> None:
+    """Make each SQLite transaction take the database's write lock when it begins. Optuna checks a
+    trial's state, then changes it (a queued trial handed out, a stale one failed) under a row
+    lock that SQLite does not have: without this, two processes can both take the same queued
+    trial. SQLAlchemy's recipe: pysqlite's own transaction handling off, BEGIN IMMEDIATE on begin."""
+
+    @sqlalchemy.event.listens_for(engine, "connect")
+    def _manual(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None
+
+    @sqlalchemy.event.listens_for(engine, "begin")
+    def _immediate(connection: sqlalchemy.engine.Connection) -> None:
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+    engine.dispose()  # connections opened before the listeners existed
 
 
 def prepare(url: str) -> None:
@@ -105,12 +127,23 @@ def ask(study: optuna.Study) -> optuna.Trial:
         return study.ask()
 
 
-def fail_stale(study: optuna.Study) -> None:
+def fail_stale(study: optuna.Study, grace_s: float) -> None:
     """Fail the trials whose holder stopped beating (each is failed by one process only, which
-    queues its Variant again)."""
+    queues its Variant again); and those of a process killed between asking for a trial and its
+    first heartbeat, which Optuna cannot see: no owner written `grace_s` after they started."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         optuna.storages.fail_stale_trials(study)
+    now = datetime.datetime.now()
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        start = trial.datetime_start
+        if "owner" in trial.user_attrs or start is None or (now - start).total_seconds() < grace_s:
+            continue
+        try:
+            study.tell(trial.number, state=TrialState.FAIL)
+        except (optuna.exceptions.UpdateFinishedTrialError, ValueError):
+            continue  # another process failed it first, and queued it again
+        _requeue(study, trial)
 
 
 def evaluated(trial: FrozenTrial) -> bool:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from tunegen.kernels import peers
 from tunegen.kernels.families import base, get
 from tunegen.kernels.gpu import gpu_of
 from tunegen.kernels.problem import Problem
@@ -56,7 +57,8 @@ def median_ms(fn: Callable[[], object], backend: str, rep_ms: float = 100.0) -> 
 
 def compile_task(payload: dict[str, Any]) -> dict[str, Any]:
     """Render, compile and load the binary for the case's inputs (so it is in Triton's cache for
-    the timing worker), running nothing on the GPU: the timing worker may be timing there."""
+    the timing worker), without running the kernel: the timing worker may be timing on that GPU.
+    Only making the inputs touches it; their memory is given back at once, for the next worker."""
     problem = Problem(**payload["problem"])
     family = get(problem.family)
     device = _device(payload)
@@ -64,6 +66,8 @@ def compile_task(payload: dict[str, Any]) -> dict[str, Any]:
     binding = dataclasses.replace(kernel, launch=kernel.bind)  # the case's launch binds, runs nothing
     family.case(problem, binding, device, payload["seed"]).launch()
     _sync(payload)
+    if payload["backend"] == "cuda":
+        torch.cuda.empty_cache()
     return {"status": "ok"}
 
 
@@ -92,9 +96,10 @@ def peers_task(payload: dict[str, Any]) -> dict[str, Any]:
     best: tuple[float, str] | None = None
     for name, call in case.peers.items():
         try:
-            out = call()
-            _sync(payload)
-        except Exception:  # this backend refuses the shape
+            with peers.quiet():
+                out = call()
+                _sync(payload)
+        except Exception:  # this backend cannot run the inputs: no peer for this Problem
             continue
         if not case.peer_error(out) <= tolerance(problem):
             continue

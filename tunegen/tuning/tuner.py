@@ -107,6 +107,7 @@ class Tuner:
         self._timing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tunegen-timing")
         self.record = gpu_record(gpu, driver_version() if gpu.backend == "cuda" else "")
         self._studies: dict[Problem, optuna.Study] = {}
+        self._peers: dict[Problem, dict[str, Any]] = {}
 
     def close(self) -> None:
         self._timing.shutdown(wait=True)
@@ -137,14 +138,15 @@ class Tuner:
         family = get(problem.family)
         space = family.search_space(problem, self.gpu)
         optuna.logging.set_verbosity(optuna.logging.WARNING)
-        study = optuna.create_study(
-            study_name=studies.study_name(self.gpu, problem, self.options.sampler),
-            storage=self.storage,
-            sampler=studies.make_sampler(self.options.sampler, self.options.seed, space),
-            direction="minimize",
-            load_if_exists=True,
-        )
-        if not study.trials:
+        name = studies.study_name(self.gpu, problem, self.options.sampler)
+        sampler = studies.make_sampler(self.options.sampler, self.options.seed, space)
+        try:
+            study = optuna.create_study(
+                study_name=name, storage=self.storage, sampler=sampler, direction="minimize"
+            )
+        except optuna.exceptions.DuplicatedStudyError:  # another process's, or an earlier run's
+            study = optuna.load_study(study_name=name, storage=self.storage, sampler=sampler)
+        else:  # this process made it: its first trial is the default Variant
             default = family.default_variant(problem, self.gpu).as_dict()
             params = choose(
                 family, space, lambda name, values: default[name] if default[name] in values else None
@@ -168,17 +170,26 @@ class Tuner:
         family = get(problem.family)
         space = family.search_space(problem, self.gpu)
         study = self._study(problem)
-        studies.fail_stale(study)
+        studies.fail_stale(study, opts.grace_s)
         known_failures = self.store.failures(
             self.record, problem.family, problem.as_dict(), self.gpu.triton_version
         )
         compiling: dict[concurrent.futures.Future, tuple] = {}
         ready: deque[tuple] = deque()
         timing: tuple | None = None
+        if problem not in self._peers:  # first, while the first Variants compile: the bar to beat
+            payload = self._payload(problem, None, opts.seed)
+            timing = (
+                self._timing.submit(self.timer.call, peers_task, payload, opts.trial_timeout),
+                None,
+                None,
+            )
         asked, more, swept = 0, True, time.monotonic()
         while True:
             if time.monotonic() - swept > opts.heartbeat_s:
-                studies.fail_stale(study)  # a dead process's claims stop counting, its Variants come back
+                studies.fail_stale(
+                    study, opts.grace_s
+                )  # a dead process's claims stop counting, its Variants come back
                 swept = time.monotonic()
             while more and len(compiling) + len(ready) < self.pool.size:
                 if (
@@ -223,9 +234,23 @@ class Tuner:
                 else:
                     _, trial, variant = timing
                     timing = None
-                self._conclude(study, problem, trial, variant, future.result())
+                if trial is None:
+                    self._peer_measured(study, problem, future.result())
+                else:
+                    self._conclude(study, problem, trial, variant, future.result())
                 if progress is not None:
                     progress(self._progress(study, problem))
+
+    def _peer_measured(self, study: optuna.Study, problem: Problem, result: dict[str, Any]) -> None:
+        """Keep the fastest peer's time (for the progress line and the Winner's record), and share
+        it through the study with the other processes tuning the Problem."""
+        if result["status"] == "ok":
+            self._peers[problem] = {"name": result["name"], "ms": result["ms"]}
+            study.set_user_attr("peer", self._peers[problem])
+
+    def _peer(self, study: optuna.Study, problem: Problem) -> dict[str, Any] | None:
+        """The fastest peer measured in this run: by this process, else by another one."""
+        return self._peers.get(problem) or study.user_attrs.get("peer")
 
     def _conclude(self, study, problem, trial, variant, result) -> None:
         """Tell the study a trial's verified time, or its failure (recorded, never retried)."""
@@ -260,9 +285,12 @@ class Tuner:
         start = time.monotonic() if start is None else start
         study = self._study(problem)
         self._settle(study, problem, progress)
-        peer = self.timer.call(
-            peers_task, self._payload(problem, None, self.options.seed), self.options.trial_timeout
-        )
+        if self._peer(study, problem) is None:
+            payload = self._payload(problem, None, self.options.seed)
+            self._peer_measured(
+                study, problem, self.timer.call(peers_task, payload, self.options.trial_timeout)
+            )
+        peer = self._peer(study, problem) or {}
         return self._finish(study, problem, get(problem.family), peer, start)
 
     def _settle(self, study: optuna.Study, problem: Problem, progress) -> None:
@@ -270,7 +298,7 @@ class Tuner:
         deadline = time.monotonic() + opts.grace_s + 3 * opts.trial_timeout
         for _ in range(SETTLE_ROUNDS):
             while time.monotonic() < deadline:
-                studies.fail_stale(study)
+                studies.fail_stale(study, opts.grace_s)
                 if not any(studies.holds_claim(t) for t in study.get_trials(deepcopy=False)):
                     break
                 time.sleep(min(1.0, opts.heartbeat_s))
@@ -324,12 +352,15 @@ class Tuner:
         done = sum(1 for t in study.get_trials(deepcopy=False) if studies.evaluated(t))
         best = min((t.value for t in complete), default=None)
         unit, work = get(problem.family).measure(problem)
+        peer = self._peer(study, problem) or {}
         return {
             "evaluated": done,
             "target": self.options.trials,
             "best_ms": best,
             "unit": unit,
             "best_rate": rate(unit, work, best) if best else None,
+            "peer_name": peer.get("name"),
+            "peer_rate": rate(unit, work, peer["ms"]) if peer.get("ms") else None,
         }
 
     def _finish(self, study, problem, family, peer, start) -> Outcome:

@@ -8,6 +8,7 @@ import concurrent.futures
 import multiprocessing
 import os
 import queue
+import signal
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +18,9 @@ Task = Callable[[dict[str, Any]], dict[str, Any]]
 
 
 def _serve(conn: Any) -> None:
+    # Ctrl-C reaches every process of the terminal: the parent stops the work, and a task cut
+    # short here must not be reported as the Variant's failure.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     while True:
         message = conn.recv()
         if message is None:
@@ -24,7 +28,7 @@ def _serve(conn: Any) -> None:
         task, payload = message
         try:
             result = task(payload)
-        except BaseException as exc:  # report, and keep serving
+        except Exception as exc:  # report, and keep serving
             result = {"status": "error", "reason": f"{type(exc).__name__}: {exc}"}
         conn.send(result)
 

@@ -94,6 +94,22 @@ def choose(family: Family, space: dict[str, list], pick: Callable[[str, list], A
     return chosen
 
 
+def applicable(family: Family, variant: Variant, problem: Problem, gpu: Gpu) -> dict[str, Any]:
+    """The knobs of `variant` that mean something for `problem` on `gpu`, as listings show them:
+    those the tuner chooses there (more than one candidate in the search space, and not ruled out
+    by the family's conditions given the Variant's own values), plus every knob off its default,
+    so that `family.variant_type.from_json` of the result rebuilds `variant` exactly."""
+    values = variant.as_dict()
+    space = family.search_space(problem, gpu)
+    chosen = choose(family, space, lambda name, _: values[name])
+    defaults = family.variant_type().as_dict()
+    return {
+        name: value
+        for name, value in values.items()
+        if (name in chosen and len(space[name]) > 1) or value != defaults[name]
+    }
+
+
 def grid(family: Family, space: dict[str, list]) -> Iterator[Variant]:
     """Every distinct Variant of a search space that the Variant type accepts, in order."""
     seen = set()
