@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from conftest import NEEDS_GPU
 
 import tunegen
 from helpers import LSE_TOL, assert_lse, rel_err
@@ -328,6 +329,18 @@ def test_the_tuners_fp8_case_checks_the_kernel_it_times(causal):
     assert math.isnan(case.error()), "unwritten outputs read as NaN"
     case.launch()
     assert case.error() < tolerance(problem) and tolerance(problem) == FP8_TOLERANCE
+
+
+@pytest.mark.gpu
+@NEEDS_GPU
+def test_the_tuners_fp8_case_has_sdpa_peers_in_bf16():
+    """FP8 Problems are tuned against SDPA in bf16 on the same (dequantized) inputs: every SDPA
+    backend can run them (V's K-major layout made contiguous) and passes the float64 check."""
+    problem = Problem("prefill", "bfloat16", 128, True, 8, 8, 2, 512, 512, fp8=True)  # MHA: every backend
+    case = prefill.FAMILY.case(problem, None, torch.device("cuda"), seed=5)
+    assert sorted(case.peers) == ["sdpa-cudnn", "sdpa-efficient", "sdpa-flash"]
+    for name, call in case.peers.items():
+        assert case.peer_error(call()) < tolerance(problem), name
 
 
 @pytest.mark.parametrize("per_block", [True, False], ids=["blocks", "fa3"])

@@ -61,7 +61,8 @@ def prefill_case(problem: Problem, kernel: Kernel | None, device: torch.device, 
     if device.type == "cuda" and not problem.varlen:
         from tunegen.kernels import peers as peer_impls
 
-        peer_inputs = tuple(t.to(dtype) for t in (q, k, v))
+        # FP8's V is K-major (see fp8.py); SDPA's fused kernels take only unit-stride rows.
+        peer_inputs = tuple(t.to(dtype).contiguous() for t in (q, k, v))
         for name in ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient"):
             fn = peer_impls.sdpa(name, problem.causal)
             peers[name] = lambda fn=fn: fn(*peer_inputs)
