@@ -200,7 +200,7 @@ def test_the_shipped_h100_winners_are_served_and_valid(tmp_path, monkeypatch):
     """Every shipped Winner parses, passes its family's checks on the GPU it was tuned on, and is
     what a lookup for its Problem on that GPU finds when the user's database is empty. (The H100
     table holds none today: its defaults are the measured best; see its provenance.)"""
-    from tunegen.kernels.database import winners_for
+    from tunegen.kernels import snapshot
     from tunegen.kernels.families import get
     from tunegen.kernels.gpu import Gpu
     from tunegen.kernels.problem import Problem
@@ -221,4 +221,6 @@ def test_the_shipped_h100_winners_are_served_and_valid(tmp_path, monkeypatch):
         problem = Problem(**w.problem)
         family = get(w.family)
         family.check_variant(family.variant_type.from_json(w.variant), problem, gpu)
-        assert [x.variant for x in winners_for(gpu, problem)] == [w.variant]
+        taken = snapshot.for_gpu(gpu)
+        assert [x.variant for part in taken.matching(problem) for x in part] == [w.variant]
+        assert dispatch.select(problem, gpu, taken).winner == w

@@ -122,7 +122,7 @@ def test_cli_list_show_export_import_upgrade(url, tmp_path):
 
 
 def test_lookups_see_the_users_database_first_then_the_shipped_one(tmp_path, monkeypatch):
-    from tunegen.kernels import database
+    from tunegen.kernels import database, dispatch, snapshot
     from tunegen.kernels.gpu import Gpu
     from tunegen.kernels.problem import Problem
 
@@ -139,9 +139,18 @@ def test_lookups_see_the_users_database_first_then_the_shipped_one(tmp_path, mon
         (doc,) = export_documents(store).values()
     (tmp_path / "shipped").mkdir()
     (tmp_path / "shipped" / "h100.json").write_text(json.dumps(doc))
-    monkeypatch.setattr(database, "shipped_store", lambda: load_shipped(tmp_path / "shipped"))
-    assert [w.variant["block_m"] for w in database.winners_for(gpu, problem)] == [128], "no user database yet"
+    monkeypatch.setattr(snapshot, "shipped_store", lambda: load_shipped(tmp_path / "shipped"))
+
+    def served() -> tuple[list[int], list[int], int]:
+        snapshot.forget()
+        taken = snapshot.for_gpu(gpu)
+        user, ship = taken.matching(problem)
+        chosen = dispatch.select(problem, gpu, taken).variant.block_m
+        return [w.variant["block_m"] for w in user], [w.variant["block_m"] for w in ship], chosen
+
+    assert served() == ([], [128], 128), "no user database yet: the shipped Winner"
     assert not (tmp_path / "user.db").exists(), "a lookup never creates the user's database"
     with Store(user_url) as store:
         store.record_winner(mine)
-    assert [w.variant["block_m"] for w in database.winners_for(gpu, problem)] == [64, 128]
+    assert served() == ([64], [128], 64), "the user's own Winner before a faster shipped one"
+    snapshot.forget()

@@ -1,6 +1,6 @@
-"""Where tunegen keeps what it learns: the database URL, lookups that see the user's database
-first, then the winners shipped with the package, and stored records read back as this release's
-Gpu and a Winner's applicable knobs."""
+"""Where tunegen keeps what it learns: the database URL and opening the store (dispatch reads it
+through tunegen.kernels.snapshot), and stored records read back as this release's Gpu and a
+Winner's applicable knobs."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from tunegen.kernels.families import get
 from tunegen.kernels.families.base import applicable
 from tunegen.kernels.gpu import Gpu
 from tunegen.kernels.problem import Problem
-from tunegen.tuning_db import GpuRecord, Store, WinnerRecord, shipped_store
+from tunegen.tuning_db import GpuRecord, Store, WinnerRecord
 
 
 def database_url(url: str | None = None) -> str:
@@ -69,16 +69,3 @@ def applicable_knobs(w: WinnerRecord) -> dict[str, Any]:
         return applicable(family, variant, Problem(**w.problem), gpu_from_record(w.gpu))
     except (TypeError, ValueError):
         return dict(w.variant)
-
-
-def winners_for(
-    gpu: Gpu, problem: Problem, url: str | None = None, *, same_features: bool = False
-) -> list[WinnerRecord]:
-    """Winners recorded for this Gpu and exactly this Problem (or, with `same_features`, any
-    Problem differing from it only in bucketed sizes): the user's database first, then the
-    shipped winners; within each, the newest first. Never creates the user's database."""
-    record = gpu_record(gpu)
-    query: dict = {"features": problem.as_dict()} if same_features else {"problem": problem.as_dict()}
-    with open_store(url, readonly=True) as store:
-        found = store.winners(gpu=record, **query)
-    return found + shipped_store().winners(gpu=record, **query)
