@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,43 +18,60 @@ from tunegen.eager import (
     varlen_problem,
     wants_grad,
 )
-from tunegen.kernels import dispatch
+from tunegen.kernels import dispatch, fp8, quantize
 from tunegen.kernels.families import get
 from tunegen.kernels.families.base import applicable
 from tunegen.kernels.gpu import gpu_of
+
+
+def _bound(q: object, k: object, v: object, args: tuple, kwargs: dict[str, Any]) -> tuple[Callable, dict]:
+    """The public function a call with these arguments is, and its arguments by name (defaults
+    filled in), as Python would bind them: an argument it does not take is a ValueError."""
+    varlen = isinstance(q, torch.Tensor) and q.dim() == 3
+    target = attention_varlen if varlen else attention
+    signature = inspect.signature(target)
+    unknown = sorted(set(kwargs) - set(signature.parameters))
+    if unknown:
+        raise ValueError(
+            f"{unknown[0]}: tunegen.{target.__name__} takes no such argument "
+            f"(it takes {', '.join(signature.parameters)})"
+        )
+    try:
+        call = signature.bind(q, k, v, *args, **kwargs)
+    except TypeError as exc:
+        raise ValueError(f"explain: {exc}, as tunegen.{target.__name__}{signature} would be") from None
+    call.apply_defaults()
+    return target, call.arguments
 
 
 def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any) -> dict[str, Any]:
     """Which kernel a call with these arguments runs, and why: the Problem, the Gpu, the source
     ("winner", "nearest" bucket, "default", or "torch" for the PyTorch fallback), the Variant's
     knobs that apply to the Problem on that Gpu (`base.applicable`; the others keep their
-    defaults) and the Winner's provenance. Takes the arguments of `attention`, or of
-    `attention_varlen` when q is packed (3-D); builds the kernel if this is the first call for the
-    Problem."""
-    varlen = isinstance(q, torch.Tensor) and q.dim() == 3
-    if varlen:
-        names = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
-        bound = dict(zip(names, args, strict=False)) | {n: kwargs.pop(n) for n in names if n in kwargs}
-        checks.check_attention_varlen(q, k, v, *(bound.get(n) for n in names), read_lengths=False)
+    defaults) and the Winner's provenance. Takes the arguments of `attention` (FP8 ones too), or
+    of `attention_varlen` when q is packed (3-D), and refuses any other; explains the forward
+    kernel that call runs (with its log-sum-exp where autograd records, as the call keeps it for
+    the backward). Builds the kernel if this is the first call for the Problem; runs none."""
+    target, a = _bound(q, k, v, args, kwargs)
+    varlen = target is attention_varlen
+    causal = bool(a["causal"])
+    return_lse = bool(a["return_lse"]) or wants_grad(q, k, v)
+    descales = () if varlen else (a["q_descale"], a["k_descale"], a["v_descale"])
+    if not varlen and fp8_attention.requested(q, a["precision"], a["hadamard"], descales):
+        checked = fp8_attention.check_fp8(q, k, v, a["precision"], a["hadamard"], descales)
+        # 16-bit inputs: the layout tunegen.quantize_fp8 writes (allocated, not computed)
+        x = quantize.outputs(q, k, per_block=True) if checked is None else fp8.Fp8Inputs(q, k, v, *checked)
+        out = torch.empty(q.shape, device=q.device, dtype=torch.bfloat16)
+        problem = fp8_attention.fp8_problem(x, out, causal, bool(a["return_lse"]))
+    elif varlen:
+        sizes = [a[n] for n in ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")]
+        checks.check_attention_varlen(q, k, v, *sizes, read_lengths=False)
+        problem = varlen_problem(q, k, v, q, sizes[0], sizes[2], sizes[3], causal, return_lse)
     else:
         checks.check_attention(q, k, v)
-    causal, return_lse = bool(kwargs.get("causal", False)), bool(kwargs.get("return_lse", False))
-    checks.check_scale(kwargs.get("scale"), q.shape[-1])
-    backend = backend_for(q.device, kwargs.get("strict"))
-    if varlen:
-        problem = varlen_problem(
-            q,
-            k,
-            v,
-            q,
-            bound["cu_seqlens_q"],
-            bound["max_seqlen_q"],
-            bound["max_seqlen_k"],
-            causal,
-            return_lse,
-        )
-    else:
         problem = attention_problem(q, k, v, q, causal, return_lse)
+    checks.check_scale(a["scale"], q.shape[-1])
+    backend = backend_for(q.device, a["strict"])
     if backend == "torch":
         return {
             "problem": problem.as_dict(),

@@ -39,8 +39,9 @@ def _check_no_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         )
 
 
-def _inputs(q, k, v, precision, hadamard, descales) -> tuple[fp8.Fp8Inputs, torch.dtype]:
-    """The e4m3 inputs with their descales, and the output dtype, after checking the arguments."""
+def check_fp8(q, k, v, precision, hadamard, descales) -> list[torch.Tensor] | None:
+    """Check an FP8 call's arguments: for float8_e4m3fn q, k, v, their descales (None given as
+    ones); for 16-bit inputs, which are quantized on the way in, None."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision: expected None or 'fp8', got {precision!r}")
     if getattr(q, "dtype", None) == fp8.E4M3:
@@ -59,11 +60,10 @@ def _inputs(q, k, v, precision, hadamard, descales) -> tuple[fp8.Fp8Inputs, torc
             "v_descale": [(batch, hkv)],
         }
         ones = torch.ones((batch, hkv), device=q.device, dtype=torch.float32)
-        checked = [
+        return [
             ones if d is None else checks.descale_arg(name, d, shapes[name], q.device)
             for name, d in zip(DESCALE_NAMES, descales, strict=True)
         ]
-        return fp8.Fp8Inputs(q, k, v, *checked), torch.bfloat16
     for name, d in zip(DESCALE_NAMES, descales, strict=True):
         if d is not None:
             raise ValueError(
@@ -73,8 +73,35 @@ def _inputs(q, k, v, precision, hadamard, descales) -> tuple[fp8.Fp8Inputs, torc
         raise ValueError("hadamard: the rotation applies to precision='fp8' only")
     checks.check_attention(q, k, v, (torch.float16, torch.bfloat16))
     _check_no_grad(q, k, v)
+    return None
+
+
+def _inputs(q, k, v, precision, hadamard, descales) -> tuple[fp8.Fp8Inputs, torch.dtype]:
+    """The e4m3 inputs with their descales, and the output dtype, after checking the arguments."""
+    checked = check_fp8(q, k, v, precision, hadamard, descales)
+    if checked is not None:
+        return fp8.Fp8Inputs(q, k, v, *checked), torch.bfloat16
     rotate = True if hadamard is None else bool(hadamard)
     return fp8_quantize.quantize_fp8(q, k, v, hadamard=rotate), q.dtype
+
+
+def fp8_problem(x: fp8.Fp8Inputs, out: torch.Tensor, causal: bool, return_lse: bool) -> Problem:
+    """The Problem an FP8 call on e4m3 inputs `x` into bf16 `out` is dispatched under."""
+    batch, heads, seqlen_q, head_dim = x.q.shape
+    return Problem(
+        family="prefill",
+        dtype="bfloat16",
+        head_dim=head_dim,
+        causal=bool(causal),
+        num_heads_q=heads,
+        num_heads_kv=x.k.shape[1],
+        batch=bucket(batch, floor=1),
+        seqlen_q=bucket(seqlen_q),
+        seqlen_k=bucket(x.k.shape[2]),
+        fp8=True,
+        return_lse=bool(return_lse),
+        aligned=checks.is_aligned16(x.q, x.k, out, x.v.transpose(2, 3) if fp8.is_k_major(x.v) else x.v),
+    )
 
 
 def attention_fp8(
@@ -97,27 +124,14 @@ def attention_fp8(
         values = [fp8.dequantize(t, s, torch.float32) for t, s in zip(x[:3], x[3:], strict=True)]
         out, lse = attention_reference(*values, causal=causal, scale=scale, compute_dtype=torch.float32)
     else:
-        batch, heads, seqlen_q, head_dim = q.shape
+        batch, heads, seqlen_q = q.shape[:3]
         out = torch.empty(q.shape, device=q.device, dtype=torch.bfloat16)
         lse = (
             torch.empty((batch, heads, seqlen_q), device=q.device, dtype=torch.float32)
             if return_lse
             else None
         )
-        problem = Problem(
-            family="prefill",
-            dtype="bfloat16",
-            head_dim=head_dim,
-            causal=bool(causal),
-            num_heads_q=heads,
-            num_heads_kv=k.shape[1],
-            batch=bucket(batch, floor=1),
-            seqlen_q=bucket(seqlen_q),
-            seqlen_k=bucket(k.shape[2]),
-            fp8=True,
-            return_lse=bool(return_lse),
-            aligned=checks.is_aligned16(x.q, x.k, out, x.v.transpose(2, 3) if fp8.is_k_major(x.v) else x.v),
-        )
+        problem = fp8_problem(x, out, causal, return_lse)
         kernel = dispatch.kernel_for(problem, gpu_of(q.device))
         kernel.launch(x.q, x.k, x.v, out, lse, scale, *x[3:])
     out = out.to(out_dtype)

@@ -21,10 +21,9 @@ import math
 import os
 import threading
 import warnings
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from tunegen.kernels import snapshot
+from tunegen.kernels import launcher, snapshot
 from tunegen.kernels.families import base, get
 from tunegen.kernels.gpu import Gpu
 from tunegen.kernels.problem import Problem
@@ -61,8 +60,8 @@ class Choice:
 _CHOICES: dict[tuple[Problem, Gpu], Choice] = {}
 _LOCK = threading.Lock()
 # Calls' exact input signatures (see eager.attention_eager, decode.decode_attention) to the bound
-# launch of the kernel their Problem got.
-fast_calls: dict[tuple, Callable[..., Any]] = {}
+# launch of the kernel their Problem got; the most recent launcher.CALL_CACHE_SIZE are kept.
+fast_calls = launcher.Calls()
 
 
 # How far a nearest-bucket Winner may be: one doubling of each of batch, query and KV length (a

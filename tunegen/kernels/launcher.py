@@ -15,15 +15,64 @@ ordinary path, as do Triton releases before 3.3 and `TUNEGEN_LAUNCH=generic`).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
 import triton
 
-# Bound launches kept per rendered module; past this many launch keys (varlen calls key on their
-# maximum lengths), the oldest half is dropped rather than growing without end.
-MAX_KEYS = 4096
+
+def _call_cache_size(text: str | None) -> int:
+    """TUNEGEN_CALL_CACHE's value: a positive number of bound calls, else (with a warning) 1024."""
+    try:
+        size = int(text if text is not None else 1024)
+    except ValueError:
+        size = 0
+    if size < 1:
+        warnings.warn(
+            f"TUNEGEN_CALL_CACHE: expected a positive number of bound calls, got {text!r}; using 1024",
+            stacklevel=2,
+        )
+        return 1024
+    return size
+
+
+# Bound calls each cache keeps (TUNEGEN_CALL_CACHE when tunegen is imported): a rendered module's
+# launches per launch key, and the public calls' per input signature. Past it, the least recently
+# used is dropped and binds again if it comes back. A bound call holds no tensor of the call that
+# bound it, so the bound is on host memory and binding time only.
+CALL_CACHE_SIZE = _call_cache_size(os.environ.get("TUNEGEN_CALL_CACHE"))
+
+
+class Calls:
+    """A map of bound calls that keeps the `size` (default CALL_CACHE_SIZE) most recently used."""
+
+    __slots__ = ("_items", "size")
+
+    def __init__(self, size: int | None = None) -> None:
+        self.size = size or CALL_CACHE_SIZE
+        self._items: dict[Hashable, Callable[..., Any]] = {}  # in order of use, the oldest first
+
+    def get(self, key: Hashable) -> Callable[..., Any] | None:
+        """The call kept under `key` (now the most recently used), or None."""
+        items = self._items
+        call = items.pop(key, None)
+        if call is not None:
+            items[key] = call
+        return call
+
+    def __setitem__(self, key: Hashable, call: Callable[..., Any]) -> None:
+        items = self._items
+        items[key] = call
+        while len(items) > self.size:
+            items.pop(next(iter(items), None), None)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def clear(self) -> None:
+        self._items.clear()
 
 
 def _version(text: str) -> tuple[int, ...]:
@@ -140,9 +189,10 @@ def stream_of(device: torch.device) -> Callable[[], Any]:
     return lambda: current(index)
 
 
-def rebased(descriptor: Any, base: torch.Tensor) -> Any:
+def rebased(descriptor: Any, base: torch.Tensor | None) -> Any:
     """A copy of a host-side tensor descriptor over another tensor of the same launch key, without
-    the constructor's checks (already passed for that key)."""
+    the constructor's checks (already passed for that key); over None, the template a bound call
+    keeps, which holds no tensor of the call that bound it."""
     copy = object.__new__(type(descriptor))
     copy.__dict__.update(descriptor.__dict__)
     copy.base = base
@@ -150,18 +200,60 @@ def rebased(descriptor: Any, base: torch.Tensor) -> Any:
 
 
 def memoized(bind: Callable[..., Callable[..., None]], key: Callable[..., tuple]) -> Callable[..., None]:
-    """A rendered module's `launch`: `bind(*args)` once per `key(*args)`, then the bound call."""
-    calls: dict[tuple, Callable[..., None]] = {}
+    """A rendered module's `launch`: `bind(*args)` once per `key(*args)` (the most recent
+    CALL_CACHE_SIZE kept), then the bound call."""
+    calls = Calls()
 
     def launch(*args: Any) -> None:
         k = key(*args)
         call = calls.get(k)
         if call is None:
-            if len(calls) >= MAX_KEYS:
-                for old in list(calls)[: MAX_KEYS // 2]:
-                    calls.pop(old, None)
-            call = calls.setdefault(k, bind(*args))
+            call = calls[k] = bind(*args)
         call(*args)
 
     launch.calls = calls  # type: ignore[attr-defined]
     return launch
+
+
+# Float32 bytes of workspace kept per (device, stream) between launches (see `workspace`): enough
+# for decode's split partials at small batches, whose calls are short enough for an allocation to
+# show; larger workspaces come from PyTorch's allocator for one call and go back to it.
+WORKSPACE_KEPT = 512 * 1024
+# Streams whose workspace is kept (the most recent; a program that makes streams as it goes would
+# otherwise keep one per stream it ever used).
+WORKSPACE_STREAMS = 8
+
+_WORKSPACES: dict[tuple[int, int], tuple[tuple[torch.Tensor, ...], int, int, int]] = {}
+
+
+def workspace(index: int, stream: int, floats: int, rows: int, counters: int) -> tuple[torch.Tensor, ...]:
+    """Scratch for one launch on `stream` (a handle, as `stream_of` gives) of CUDA device `index`:
+    float32 tensors of at least `floats` and `rows` elements, and int32 counters (at least
+    `counters`) that are zero between launches, which the kernel must keep so (it resets each
+    counter it counts on). Launches on one stream run in order, so they share one kept workspace,
+    grown as needed up to WORKSPACE_KEPT bytes of float32 (and the counters to the largest call)."""
+    kept = _WORKSPACES.get((index, stream))
+    if kept is not None and floats <= kept[1] and rows <= kept[2] and counters <= kept[3]:
+        return kept[0]
+    return _grown(index, stream, floats, rows, counters)
+
+
+def _grown(index: int, stream: int, floats: int, rows: int, counters: int) -> tuple[torch.Tensor, ...]:
+    """`workspace` when the kept one is too small: grow it, or for a workspace past
+    WORKSPACE_KEPT, allocate one for this call and keep only the counters."""
+    key = (index, stream)
+    f32 = {"device": torch.device("cuda", index), "dtype": torch.float32}
+    empty = torch.empty(0, **f32)
+    (parts, rows_part, counts), *_ = _WORKSPACES.pop(key, ((empty, empty, empty), 0, 0, 0))
+    if counts.numel() < counters:
+        counts = torch.zeros(max(counters, counts.numel()), device=f32["device"], dtype=torch.int32)
+    if 4 * (floats + rows) > WORKSPACE_KEPT:
+        one_call = (torch.empty(floats, **f32), torch.empty(rows, **f32), counts)
+    else:
+        parts = parts if parts.numel() >= floats else torch.empty(floats, **f32)
+        rows_part = rows_part if rows_part.numel() >= rows else torch.empty(rows, **f32)
+        one_call = (parts, rows_part, counts)
+    _WORKSPACES[key] = ((parts, rows_part, counts), parts.numel(), rows_part.numel(), counts.numel())
+    while len(_WORKSPACES) > WORKSPACE_STREAMS:
+        _WORKSPACES.pop(next(iter(_WORKSPACES)))
+    return one_call
