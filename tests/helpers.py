@@ -3,7 +3,9 @@ comparisons, Winners recorded for dispatch to find."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+from conftest import NEEDS_GPU, NEEDS_INTERPRETER
 
 from tunegen.checks import is_aligned16
 from tunegen.eager import backend_for
@@ -178,14 +180,14 @@ def qkv(n=40, seed=0):
     return q, k, v
 
 
-def record_winner(url, problem, variant, triton_version=None, ms=1.0):
-    """Record a prefill Winner for the interpreter's Gpu in the database at `url`."""
+def record_winner(url, problem, variant, triton_version=None, ms=1.0, family="prefill"):
+    """Record a Winner of `family` (prefill by default) for the interpreter's Gpu in the database at `url`."""
     gpu = interpreter_gpu()
     with Store(url) as store:
         store.record_winner(
             WinnerRecord(
                 gpu=gpu_record(gpu),
-                family="prefill",
+                family=family,
                 problem=problem,
                 variant=variant,
                 median_ms=ms,
@@ -195,3 +197,22 @@ def record_winner(url, problem, variant, triton_version=None, ms=1.0):
                 template_hash="h",
             )
         )
+
+
+# The three places a decode call runs: the kernel under Triton's interpreter (CPU tensors), the
+# PyTorch path (CPU tensors without the interpreter) and the compiled kernel (CUDA).
+DECODE_PATHS = [
+    pytest.param("interpreter", marks=NEEDS_INTERPRETER),
+    pytest.param("torch"),
+    pytest.param("cuda", marks=[pytest.mark.gpu, NEEDS_GPU]),
+]
+
+
+def on_path(path: str, monkeypatch: pytest.MonkeyPatch) -> tuple[torch.device, bool | None]:
+    """The device a call on `path` (one of DECODE_PATHS) takes, and the `strict` that makes sure
+    it ran there (the PyTorch path is a fallback: None)."""
+    if path == "torch":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        monkeypatch.delenv("TUNEGEN_STRICT", raising=False)
+        return torch.device("cpu"), None
+    return torch.device("cpu" if path == "interpreter" else path), True

@@ -89,7 +89,9 @@ def check_decode(
             raise ValueError(f"block_table: expected {batch} rows (one per sequence), got {table.shape[0]}")
         page = k_cache.shape[1]
         if page % 16:
-            raise ValueError(f"k_cache: the page size must be a multiple of 16, got {page}")
+            raise ValueError(
+                f"k_cache: the page size (dimension 1) must be a positive multiple of 16, got {page}"
+            )
         capacity = table.shape[1] * page
     if (k is None) != (v is None):
         raise ValueError("k, v: pass both new keys and new values, or neither")
@@ -106,25 +108,41 @@ def check_decode(
         if v.shape[1] != k.shape[1]:
             raise ValueError(f"v: expected {k.shape[1]} new tokens like k, got {v.shape[1]}")
         n_new = k.shape[1]
-    if not read_lengths:
-        return
-    lengths = seqlens.tolist()
-    if min(lengths) < 0:
-        raise ValueError(f"cache_seqlens: lengths must be >= 0, got {lengths}")
-    if max(lengths) + n_new > capacity:
-        raise ValueError(
-            f"cache_seqlens: a sequence needs {max(lengths) + n_new} slots (with {n_new} new tokens), "
+        if n_new > capacity:
+            raise ValueError(f"k: {n_new} new tokens do not fit the cache's {capacity} slots per sequence")
+    if read_lengths:
+        fault = next(filter(None, _faults(k_cache, seqlens, block_table, n_new)), None)
+        if fault is not None:
+            raise ValueError(fault)
+
+
+def _faults(k_cache, cache_seqlens, block_table, n_new: int) -> list[str | None]:
+    """Per sequence, why its cache cannot be used (the argument, the sequence and the problem), or
+    None: a negative length, no room for its new tokens, or a page it uses outside the cache. The
+    kernels test the same on the device and give such a sequence NaN; this reads the lengths and
+    the block table back (a device-to-host copy), for check=True and the PyTorch path."""
+    lengths = cache_seqlens.tolist()
+    rows = [None] * len(lengths) if block_table is None else block_table.tolist()
+    capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
+    return [
+        _fault(b, length, row, n_new, capacity, k_cache.shape[0], k_cache.shape[1])
+        for b, (length, row) in enumerate(zip(lengths, rows, strict=True))
+    ]
+
+
+def _fault(b: int, length: int, row, n_new: int, capacity: int, num_pages: int, page: int) -> str | None:
+    """Why sequence b (its length, and its block table row or None) cannot be used, or None."""
+    if length < 0:
+        return f"cache_seqlens: sequence {b} has length {length}, expected 0 or more"
+    if length > capacity - n_new:
+        return (
+            f"cache_seqlens: sequence {b} needs {length + n_new} slots ({length} cached + {n_new} new), "
             f"the cache holds {capacity}"
         )
-    if block_table is not None:
-        page = k_cache.shape[1]
-        rows = block_table.tolist()
-        for b, length in enumerate(lengths):
-            used = rows[b][: -(-(length + n_new) // page)]
-            if used and (min(used) < 0 or max(used) >= k_cache.shape[0]):
-                raise ValueError(
-                    f"block_table: sequence {b} names pages {used}, outside 0..{k_cache.shape[0] - 1}"
-                )
+    bad = [] if row is None else [p for p in row[: -(-(length + n_new) // page)] if not 0 <= p < num_pages]
+    if bad:
+        return f"block_table: sequence {b} names pages {bad}, outside the cache's pages 0..{num_pages - 1}"
+    return None
 
 
 def _problem(q, k_cache, cache_seqlens, block_table, causal, return_lse) -> Problem:
@@ -149,29 +167,35 @@ def _problem(q, k_cache, cache_seqlens, block_table, causal, return_lse) -> Prob
     )
 
 
-def _reference(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, scale, descales):
-    """The PyTorch path: append in place (quantized for an e4m3 cache, whose `descales` are
-    (k_descale, v_descale)), gather each sequence's keys, attend in float32."""
+def _reference(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, scale, descales=()):
+    """The PyTorch path, with the kernels' promise: a sequence `_faults` names reads and writes
+    nothing and gets NaN (output and log-sum-exp); every other one gets its new tokens written in
+    place (quantized for an e4m3 cache, whose `descales` are (k_descale, v_descale)), then, once
+    all are written as the kernels do, attends in float32 over its gathered keys."""
     batch, nq = q.shape[0], q.shape[1]
     n_new = 0 if k is None else k.shape[1]
     if descales and k is not None:
         k, v = fp8.quantize_kv(k, descales[0]), fp8.quantize_kv(v, descales[1])
+    lengths = cache_seqlens.tolist()
+    faults = _faults(k_cache, cache_seqlens, block_table, n_new)
+    slots = [
+        None if fault else _slots(k_cache, block_table, b, n + n_new)
+        for b, (n, fault) in enumerate(zip(lengths, faults, strict=True))
+    ]
+    for b, at in enumerate(slots):
+        if at is not None and n_new:
+            new = (at[0][lengths[b] :], at[1][lengths[b] :])
+            k_cache[new] = k[b]
+            v_cache[new] = v[b]
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full((batch, q.shape[2], nq), float("-inf"), device=q.device)
-    for b, length in enumerate(cache_seqlens.tolist()):
-        if block_table is None:
-            slots = [(b, i) for i in range(length + n_new)]
-        else:
-            page = k_cache.shape[1]
-            slots = [(int(block_table[b, i // page]), i % page) for i in range(length + n_new)]
-        for t in range(n_new):
-            k_cache[slots[length + t]] = k[b, t]
-            v_cache[slots[length + t]] = v[b, t]
-        if not slots:
+    for b, at in enumerate(slots):
+        if at is None:
+            out[b], lse[b] = float("nan"), float("nan")
             continue
-        index = torch.tensor(slots, device=q.device)
-        keys = k_cache[index[:, 0], index[:, 1]].transpose(0, 1)[None]
-        values = v_cache[index[:, 0], index[:, 1]].transpose(0, 1)[None]
+        if not len(at[0]):
+            continue
+        keys, values = k_cache[at].transpose(0, 1)[None], v_cache[at].transpose(0, 1)[None]
         if descales:
             keys = keys.float() * descales[0][b, None, :, None, None]
             values = values.float() * descales[1][b, None, :, None, None]
@@ -181,6 +205,16 @@ def _reference(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, sc
         out[b] = o[0].transpose(0, 1)
         lse[b] = s[0]
     return out.to(q.dtype), lse
+
+
+def _slots(k_cache, block_table, b: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where sequence b's first `count` tokens lie in the cache, as index tensors (row, slot): its
+    own row of a contiguous cache, or the pages its block table names (checked by `_faults`)."""
+    positions = torch.arange(count, device=k_cache.device)
+    if block_table is None:
+        return torch.full_like(positions, b), positions
+    page = k_cache.shape[1]
+    return block_table[b, positions // page].long(), positions % page
 
 
 # TUNEGEN_CHECK=1 when tunegen is imported: every decode call checks its lengths and pages on the
@@ -194,9 +228,14 @@ def checking(check: bool | None) -> bool:
 
 
 @functools.cache
+def _one(device: torch.device) -> torch.Tensor:
+    return torch.ones((1, 1), device=device, dtype=torch.float32)
+
+
 def _ones(batch: int, kv_heads: int, device: torch.device) -> torch.Tensor:
-    """The descales None stands for (read only, so one tensor serves every call)."""
-    return torch.ones((batch, kv_heads), device=device, dtype=torch.float32)
+    """The descales None stands for: read only, so one float of each device serves every call,
+    expanded (strides 0) to (batch, kv_heads)."""
+    return _one(device).expand(batch, kv_heads)
 
 
 def decode_attention(

@@ -11,8 +11,10 @@ import dataclasses
 
 import torch
 
+from tunegen import checks
 from tunegen.decode import check_decode, decode_attention
 from tunegen.kernels import fp8
+from tunegen.kernels.problem import DTYPE_NAMES
 
 # An FP8 cache's scales let values reach this multiple of the largest magnitude in a sequence's
 # first append before they saturate at e4m3's ±448.
@@ -34,10 +36,10 @@ class KVCache:
     """Keys and values of `num_layers` layers for `batch` sequences.
 
     Contiguous (page_size None): (layers, batch, capacity, kv_heads, head_dim) per tensor.
-    Paged: (layers, num_pages, page_size, kv_heads, head_dim), with a block table per sequence
-    and pages given out as sequences grow (`num_pages` defaults to enough for every sequence
-    to reach `capacity`). Every layer of a sequence grows together: attend each layer, then
-    `advance` once per step.
+    Paged: (layers, num_pages, page_size, kv_heads, head_dim), page_size any multiple of 16, with
+    a block table row per sequence (-1 past its pages) and pages given out as sequences grow
+    (`num_pages` defaults to enough for every sequence to reach `capacity`). Every layer of a
+    sequence grows together: attend each layer, then `advance` once per step.
 
     dtype float8_e4m3fn makes an FP8 cache: queries and new tokens stay 16-bit, the cache holds
     e4m3 values and `k_descale`/`v_descale` (layers, batch, kv_heads) float32. A sequence's first
@@ -65,24 +67,27 @@ class KVCache:
             ("head_dim", head_dim),
             ("num_layers", num_layers),
         ):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+            _count(name, value, 1)
+        if dtype not in (*DTYPE_NAMES, fp8.E4M3):
+            raise ValueError(f"dtype: expected float16, bfloat16, float32 or float8_e4m3fn, got {dtype}")
         self.batch, self.capacity, self.num_layers = batch, capacity, num_layers
         self.page_size = page_size
         self._lengths = [0] * batch
         self.seqlens = torch.zeros(batch, dtype=torch.int32, device=device)
         if page_size is None:
+            if num_pages is not None:
+                raise ValueError(f"num_pages: applies to a paged cache (give page_size), got {num_pages!r}")
             shape = (num_layers, batch, capacity, kv_heads, head_dim)
             self.block_table = None
         else:
-            if not isinstance(page_size, int) or page_size < 16 or page_size % 16:
-                raise ValueError(f"page_size: expected a multiple of 16, got {page_size!r}")
+            if not _is_int(page_size) or page_size < 16 or page_size % 16:
+                raise ValueError(f"page_size: expected a positive multiple of 16, got {page_size!r}")
             pages_per_seq = -(-capacity // page_size)
-            num_pages = num_pages if num_pages is not None else batch * pages_per_seq
-            if num_pages < 1:
-                raise ValueError(f"num_pages: expected a positive int, got {num_pages!r}")
+            num_pages = _count("num_pages", batch * pages_per_seq if num_pages is None else num_pages, 1)
             shape = (num_layers, num_pages, page_size, kv_heads, head_dim)
-            self.block_table = torch.zeros(batch, pages_per_seq, dtype=torch.int32, device=device)
+            # Entries past a sequence's pages name no page (-1): a length beyond them reads NaN,
+            # never another sequence's page.
+            self.block_table = torch.full((batch, pages_per_seq), -1, dtype=torch.int32, device=device)
             self._pages: list[list[int]] = [[] for _ in range(batch)]
             self._free = list(range(num_pages - 1, -1, -1))
         self.k = torch.zeros(shape, dtype=dtype, device=device)
@@ -98,27 +103,41 @@ class KVCache:
 
     def reserve(self, new_tokens: int) -> None:
         """Make room for `new_tokens` more per sequence (pages are taken from the pool)."""
+        self._take(self._pages_needed(_count("new_tokens", new_tokens, 0), "new_tokens"))
+
+    def _pages_needed(self, new_tokens: int, name: str) -> list[int]:
+        """Pages each sequence lacks for `new_tokens` more (contiguous: none); a ValueError naming
+        `name` if a sequence would pass the capacity or the pool holds too few, before any change."""
         for b, length in enumerate(self._lengths):
             if length + new_tokens > self.capacity:
                 raise ValueError(
-                    f"new_tokens: sequence {b} would hold {length + new_tokens} tokens, "
+                    f"{name}: sequence {b} would hold {length + new_tokens} tokens, "
                     f"capacity is {self.capacity}"
                 )
         if self.block_table is None:
+            return []
+        needs = [
+            max(0, -(-(length + new_tokens) // self.page_size) - len(pages))
+            for length, pages in zip(self._lengths, self._pages, strict=True)
+        ]
+        if sum(needs) > len(self._free):
+            raise ValueError(
+                f"{name}: the page pool is exhausted ({len(self._free)} free, {sum(needs)} needed)"
+            )
+        return needs
+
+    def _take(self, needs: list[int]) -> None:
+        """Give each sequence the pages `_pages_needed` counted, and write the block table."""
+        if not any(needs):
             return
-        changed = False
-        for b, length in enumerate(self._lengths):
-            need = -(-(length + new_tokens) // self.page_size) - len(self._pages[b])
-            if need > len(self._free):
-                raise ValueError(
-                    f"new_tokens: the page pool is exhausted ({len(self._free)} free, {need} needed)"
-                )
-            for _ in range(need):
-                self._pages[b].append(self._free.pop())
-                changed = True
-        if changed:
-            table = [pages + [0] * (self.block_table.shape[1] - len(pages)) for pages in self._pages]
-            self.block_table.copy_(torch.tensor(table, dtype=torch.int32))
+        for pages, need in zip(self._pages, needs, strict=True):
+            pages.extend(self._free.pop() for _ in range(need))
+        self._write_table()
+
+    def _write_table(self) -> None:
+        width = self.block_table.shape[1]
+        table = [pages + [-1] * (width - len(pages)) for pages in self._pages]
+        self.block_table.copy_(torch.tensor(table, dtype=torch.int32))
 
     def attend(
         self,
@@ -131,22 +150,27 @@ class KVCache:
         scale: float | None = None,
     ) -> torch.Tensor:
         """Decode attention for `layer`: writes `k`/`v` (batch, new, kv_heads, head_dim) after each
-        sequence's cached tokens, then attends q (batch, nq, heads, head_dim) over them."""
-        if not 0 <= layer < self.num_layers:
-            raise ValueError(f"layer: expected 0 to {self.num_layers - 1}, got {layer}")
-        if k is not None:
-            self.reserve(k.shape[1])
+        sequence's cached tokens, then attends q (batch, nq, heads, head_dim) over them. A call
+        refused changes nothing: the arguments are checked before pages are taken or (FP8) the
+        descales set."""
+        if not (_is_int(layer) and 0 <= layer < self.num_layers):
+            raise ValueError(f"layer: expected an int from 0 to {self.num_layers - 1}, got {layer!r}")
         descales = {}
         if self.fp8:
-            fresh = [b for b, n in enumerate(self._lengths) if n == 0]
-            if fresh and k is not None:
+            descales = {"k_descale": self.k_descale[layer], "v_descale": self.v_descale[layer]}
+        if k is not None:
+            new = checks.tensor_arg("k", k, 4, "(batch, new_tokens, kv_heads, head_dim)").shape[1]
+            needs = self._pages_needed(new, "k")
+            fresh = [b for b, n in enumerate(self._lengths) if n == 0] if self.fp8 else []
+            if any(needs) or fresh:
                 check_decode(
                     q, self.k[layer], self.v[layer], self.seqlens, k, v, self.block_table, read_lengths=False
                 )
+            self._take(needs)
+            if fresh:
                 rows = torch.tensor(fresh, device=self.k_descale.device)
                 self.k_descale[layer, rows] = fp8.calibrate_kv(k[rows], FP8_HEADROOM)
                 self.v_descale[layer, rows] = fp8.calibrate_kv(v[rows], FP8_HEADROOM)
-            descales = {"k_descale": self.k_descale[layer], "v_descale": self.v_descale[layer]}
         return decode_attention(
             q,
             self.k[layer],
@@ -161,19 +185,25 @@ class KVCache:
         )
 
     def advance(self, new_tokens: int) -> None:
-        """Count `new_tokens` more per sequence, once every layer has written them."""
-        if any(n + new_tokens > self.capacity for n in self._lengths):
-            raise ValueError(f"new_tokens: {new_tokens} more would pass the capacity {self.capacity}")
+        """Count `new_tokens` more per sequence, once every layer has written them (taking the
+        pages they lie in if `attend` or `reserve` has not)."""
+        self.reserve(new_tokens)
         self._lengths = [n + new_tokens for n in self._lengths]
         self.seqlens += new_tokens
 
     def reset(self, sequence: int | None = None) -> None:
         """Empty one sequence (or all), returning its pages to the pool."""
+        if sequence is not None and not (_is_int(sequence) and 0 <= sequence < self.batch):
+            raise ValueError(
+                f"sequence: expected None or an int from 0 to {self.batch - 1}, got {sequence!r}"
+            )
         for b in range(self.batch) if sequence is None else [sequence]:
             self._lengths[b] = 0
             if self.block_table is not None:
                 self._free.extend(reversed(self._pages[b]))
                 self._pages[b] = []
+        if self.block_table is not None:
+            self._write_table()
         self.seqlens.copy_(torch.tensor(self._lengths, dtype=torch.int32))
 
     def memory(self) -> CacheMemory:
@@ -187,3 +217,15 @@ class KVCache:
             return CacheMemory(allocated, tokens * per_token, tokens)
         used = sum(len(p) for p in self._pages)
         return CacheMemory(allocated, tokens * per_token, tokens, used, len(self._free))
+
+
+def _count(name: str, value: object, least: int) -> int:
+    """`value` if it is an int (not a bool) of at least `least`, else a ValueError naming `name`."""
+    if not _is_int(value) or value < least:
+        expected = "a positive int" if least == 1 else f"an int of at least {least}"
+        raise ValueError(f"{name}: expected {expected}, got {value!r}")
+    return value
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -121,12 +121,16 @@ def _inputs():
         ),
         (
             lambda a: {**a, "cache_seqlens": torch.tensor([3, 70], dtype=torch.int32)},
-            r"cache_seqlens: a sequence needs 70 slots .* the cache holds 64",
+            r"cache_seqlens: sequence 1 needs 70 slots \(70 cached \+ 0 new\), the cache holds 64",
         ),
         (lambda a: {**a, "v_cache": a["v_cache"][:, :32]}, r"v_cache: expected shape \(2, 64, 2, 32\)"),
         (lambda a: {**a, "q": torch.randn(2, 1, 3, 32).half()}, r"k_cache: the number of query heads \(3\)"),
         (lambda a: {**a, "q": torch.randn(2, 17, 4, 32).half()}, r"q: decode takes at most 16 query tokens"),
         (lambda a: {**a, "k": torch.randn(2, 1, 2, 32).half()}, r"k, v: pass both"),
+        (
+            lambda a: {**a, "k": torch.randn(2, 65, 2, 32).half(), "v": torch.randn(2, 65, 2, 32).half()},
+            r"k: 65 new tokens do not fit the cache's 64 slots per sequence",
+        ),
         (
             lambda a: {
                 **a,
@@ -134,7 +138,7 @@ def _inputs():
                 "v_cache": torch.randn(4, 24, 2, 32).half(),
                 "block_table": torch.zeros(2, 3, dtype=torch.int32),
             },
-            r"k_cache: the page size must be a multiple of 16, got 24",
+            r"k_cache: the page size \(dimension 1\) must be a positive multiple of 16, got 24",
         ),
         (
             lambda a: {
@@ -144,7 +148,7 @@ def _inputs():
                 "block_table": torch.tensor([[0, 9], [1, 2]], dtype=torch.int32),
                 "cache_seqlens": torch.tensor([40, 5], dtype=torch.int32),
             },
-            r"block_table: sequence 0 names pages \[0, 9\], outside 0..3",
+            r"block_table: sequence 0 names pages \[9\], outside the cache's pages 0\.\.3",
         ),
     ],
 )
@@ -212,13 +216,13 @@ def test_check_reads_lengths_back_and_names_the_problem(device):
     lens = torch.tensor([3, 70], dtype=torch.int32, device=device)
     out = tunegen.decode_attention(q, kc, vc, lens)
     assert torch.isnan(out[1]).all() and not torch.isnan(out[0]).any()
-    with pytest.raises(ValueError, match=r"cache_seqlens: a sequence needs 70 slots"):
+    with pytest.raises(ValueError, match=r"cache_seqlens: sequence 1 needs 70 slots"):
         tunegen.decode_attention(q, kc, vc, lens, check=True)
     from tunegen import decode as module
 
     module.CHECK = True  # what TUNEGEN_CHECK=1 at import sets
     try:
-        with pytest.raises(ValueError, match=r"cache_seqlens: a sequence needs 70 slots"):
+        with pytest.raises(ValueError, match=r"cache_seqlens: sequence 1 needs 70 slots"):
             tunegen.decode_attention(q, kc, vc, lens)
     finally:
         module.CHECK = False

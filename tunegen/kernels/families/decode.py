@@ -39,6 +39,16 @@ class DecodeVariant(Variant):
             raise ValueError(f"num_stages: expected 1 to 8, got {self.num_stages}")
 
 
+def key_tile(page_size: int, usual: int) -> int:
+    """The key tile for a cache of `page_size` (0: contiguous): the largest power of two up to
+    `usual` that divides the page, since a tile must lie in one page (16 at least, for a page
+    that is a multiple of 16: 48, 80 or 208 take 16, 96 takes 32)."""
+    tile = usual
+    while page_size % tile:
+        tile //= 2
+    return tile
+
+
 class DecodeFamily:
     name = "decode"
     template = "attention_decode.py.j2"
@@ -69,6 +79,10 @@ class DecodeFamily:
                 f"problem.fp8: e4m3 caches need compute capability 8.9 or newer, "
                 f"{gpu.name} has {gpu.capability}"
             )
+        if problem.paged and (problem.page_size < 16 or problem.page_size % 16):
+            raise ValueError(
+                f"problem.page_size: expected a positive multiple of 16, got {problem.page_size}"
+            )
         if problem.paged and problem.page_size % variant.block_n:
             raise ValueError(
                 f"variant.block_n: {variant.block_n} must divide the page size {problem.page_size} "
@@ -78,7 +92,8 @@ class DecodeFamily:
     def search_space(self, problem: Problem, gpu: Gpu) -> dict[str, list]:
         tiles = [16, 32] if gpu.arch == "interpreter" else [32, 64, 128]
         if problem.paged:
-            tiles = [t for t in tiles if problem.page_size % t == 0] or [16]
+            page = problem.page_size
+            tiles = [t for t in tiles if page % t == 0] or [key_tile(page, tiles[0])]
         return {
             "block_n": tiles,
             "num_splits": [1, 2, 4] if gpu.arch == "interpreter" else [1, 2, 4, 8, 16, 32],
@@ -100,11 +115,10 @@ class DecodeFamily:
         tiles; paged caches take at least two splits (each tile waits on a block-table read, and
         more programs in flight hide it); three pipeline stages. Measured on an H100 over `tunegen
         bench decode`'s Problems (benchmarks/results/decode_defaults_h100.md): 0.95 to 1.00 of
-        the best Variant of the sweep, where two waves and two stages gave 0.90 to 1.00."""
+        the best Variant of the sweep, where two waves and two stages gave 0.90 to 1.00. Key tiles
+        of 64 (32 interpreted), or the largest power of two below that divides the page."""
         interpreted = gpu.arch == "interpreter"
-        block_n = 32 if interpreted else 64
-        if problem.paged:
-            block_n = min(block_n, problem.page_size)
+        block_n = key_tile(problem.page_size, 32 if interpreted else 64)
         units = problem.batch * problem.num_heads_kv
         tiles = max(1, problem.seqlen_k // block_n)
         splits = 2 if problem.paged and tiles >= 2 else 1

@@ -34,15 +34,18 @@ def decode_case(problem: Problem, kernel: Kernel | None, device: torch.device, s
             for x, s in zip((k_cache, v_cache), descales, strict=True)
         )
     if problem.paged:
+        # Whole pages: a page that does not divide the length (48 into 4096) leaves the end of each
+        # sequence's last page unused (zeros).
         page = problem.page_size
-        pages = length // page
-        order = torch.randperm(b * pages, generator=gen, device=device)
-        table = order.view(b, pages).to(torch.int32)
+        pages = -(-length // page)
+        table = torch.randperm(b * pages, generator=gen, device=device).view(b, pages).to(torch.int32)
+        positions = torch.arange(length, device=device)
+        slots = (table.long()[:, positions // page] * page + positions % page).flatten()
         contiguous = (k_cache, v_cache)
-        k_cache = torch.empty((b * pages, page, hkv, d), device=device, dtype=k_cache.dtype)
-        v_cache = torch.empty_like(k_cache)
-        k_cache[order] = contiguous[0].reshape(b * pages, page, hkv, d)
-        v_cache[order] = contiguous[1].reshape(b * pages, page, hkv, d)
+        k_cache = torch.zeros((b * pages, page, hkv, d), device=device, dtype=k_cache.dtype)
+        v_cache = torch.zeros_like(k_cache)
+        for cache, tokens in zip((k_cache, v_cache), contiguous, strict=True):
+            cache.view(-1, hkv, d)[slots] = tokens.reshape(-1, hkv, d)
     scale = d**-0.5
 
     def error_of(out: torch.Tensor) -> float:
