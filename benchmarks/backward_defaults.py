@@ -7,8 +7,9 @@ stages, the four dQ modes, tensor descriptors, the fused delta, the causal progr
 persistent grid. Every Variant is compiled in parallel worker processes first and checked there
 against float64 at a ragged GQA size with gradients poisoned; Triton's cache is shared on disk, so
 the timing process reuses those builds. Then each is checked again on every suite shape (float64
-gradients of the same inputs) and timed. A kernel that hangs stops the run after --hang-s seconds
-with what was measured so far written out.
+gradients of the same inputs), and the shape's Variants and peers that passed are timed together
+in rotated rounds (sweep.py). A kernel that hangs in its check stops the run after --hang-s
+seconds with what was measured so far written out.
 
     python benchmarks/backward_defaults.py --head-dims 128 --seqlens 1024,4096,16384 -o bwd.json
 """
@@ -25,6 +26,7 @@ import sys
 
 import torch
 from prefill_defaults import _sized, check_in_workers
+from sweep import time_in_rounds
 
 from tunegen.kernels import peers
 from tunegen.kernels.families import backward, base
@@ -32,7 +34,6 @@ from tunegen.kernels.families.backward_case import backward_peer, grads_error, r
 from tunegen.kernels.gpu import cuda_gpu
 from tunegen.kernels.reference import TOLERANCE
 from tunegen.measure.suites import Shape, prefill_suite
-from tunegen.tuning.timing import median_ms
 
 Variant = backward.BackwardVariant
 # Per head dim: the base every other candidate changes one or two knobs of, then the tiles tried
@@ -149,8 +150,12 @@ def _inputs(shape: Shape, batch: int, seqlen: int, seed: int):
     return q, k, v, dout, out.bfloat16(), lse.float(), tuple(ref)
 
 
-def _run(kernel, q, k, v, dout, out, lse):
-    grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+def _run(kernel, q, k, v, dout, out, lse, grads=None):
+    """Launch once into the gradients `grads` (new ones if None), poisoned first; returns them and
+    the launch."""
+    grads = grads or [torch.empty_like(t) for t in (q, k, v)]
+    for g in grads:
+        g.fill_(float("nan"))
     call = lambda: kernel.launch(q, k, v, out, dout, lse, None, *grads, q.shape[-1] ** -0.5)
     call()
     return grads, call
@@ -244,6 +249,8 @@ def main() -> None:
             problem = _problem(shape)
             flops = 2.5 * problem.flops()
             q, k, v, dout, out, lse, ref = _inputs(shape, shape.batch, n, seed=0)
+            grads = [torch.empty_like(t) for t in (q, k, v)]
+            timed = []
             for name in args.peers.split(","):
                 if name == "flex":
                     make = functools.partial(peers.flex, shape.causal, tuple(q.shape), q.device)
@@ -254,8 +261,7 @@ def main() -> None:
                     call = backward_peer(make, q, k, v, dout)
                     rec["err"] = grads_error(call(), ref)
                     if rec["err"] < TOLERANCE["bfloat16"]:
-                        rec["ms"] = median_ms(call, warmup_ms=25, rep_ms=200)
-                        rec["tflops"] = flops / rec["ms"] / 1e9
+                        timed.append((rec, call))
                 except RuntimeError as exc:
                     rec["note"] = str(exc)[:200]
                 results.append(rec)
@@ -270,19 +276,21 @@ def main() -> None:
                 faulthandler.dump_traceback_later(args.hang_s, exit=True)
                 try:
                     kernel = base.build(backward.FAMILY, variant, problem, gpu)
-                    grads, call = _run(kernel, q, k, v, dout, out, lse)
+                    _, call = _run(kernel, q, k, v, dout, out, lse, grads)
                     rec["err"] = grads_error(grads, ref)
                     if rec["err"] < TOLERANCE["bfloat16"]:
-                        rec["ms"] = median_ms(call, warmup_ms=25, rep_ms=200)
-                        rec["tflops"] = flops / rec["ms"] / 1e9
+                        timed.append((rec, call))
                     else:
                         rec["note"] = f"wrong: relative error {rec['err']:.2e}"
                 except Exception as exc:
                     rec["note"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                 faulthandler.cancel_dump_traceback_later()
                 results.append(rec)
+            time_in_rounds(timed)
+            for rec, _ in timed:
+                rec["tflops"] = flops / rec["ms"] / 1e9
             write()
-            del q, k, v, dout, out, lse, ref
+            del q, k, v, dout, out, lse, ref, grads, timed
             torch.cuda.empty_cache()
     write()
     print_table(results, groups, seqlens, gpu)

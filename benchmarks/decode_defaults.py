@@ -4,8 +4,9 @@ Problems, the current default among them.
 
 Per Problem, one full cache of random tokens (contiguous, or in shuffled pages) on the GPU; each
 Variant's output, poisoned first, is checked against SDPA's float32 math on the same tokens
-(within bf16's bound) before it is timed (L2 flushed, median). Writes every row and prints, per
-Problem, the default's GB/s beside the best Variant's.
+(within bf16's bound); the Variants that passed are then timed together in rotated rounds
+(sweep.py; L2 flushed, median). Writes every row and prints, per Problem, the default's GB/s
+beside the best Variant's.
 
     python benchmarks/decode_defaults.py --batches 1,16,64 --cache-lengths 4096,32768 -o d.json
 """
@@ -21,12 +22,13 @@ import json
 
 import torch
 import triton
+from sweep import time_in_rounds
 
 from tunegen.kernels.families import base, decode
 from tunegen.kernels.gpu import cuda_gpu
 from tunegen.kernels.reference import TOLERANCE
 from tunegen.measure.suites import decode_suite
-from tunegen.tuning.timing import median_ms, rate
+from tunegen.tuning.timing import rate
 
 TILES = list(itertools.product((64, 128), (4, 8), (2, 3, 4)))  # block_n, num_warps, num_stages
 
@@ -104,7 +106,7 @@ def main() -> None:
         tensors = (q, keys, values, seqlens)
         out = torch.empty_like(q)
         scale = problem.head_dim**-0.5
-        mine = []
+        timed = []
         for i, variant in enumerate(candidates(problem, gpu)):
             row = {**problem.as_dict(), "variant": variant.as_dict(), "default": i == 0}
             try:
@@ -116,13 +118,15 @@ def main() -> None:
                 if not err <= TOLERANCE["bfloat16"]:
                     row["note"] = f"wrong: {err:.2e}"
                 else:
-                    row["ms"] = median_ms(launch, warmup_ms=25.0, rep_ms=100.0)
-                    row["gbps"] = rate(unit, work, row["ms"])
-                    mine.append(row)
+                    timed.append((row, launch))
             except Exception as exc:  # a Variant that fails to build or run is a result
                 row["note"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
             rows.append(row)
-        del q, keys, values, ref, out, tensors
+        time_in_rounds(timed)
+        for row, _ in timed:
+            row["gbps"] = rate(unit, work, row["ms"])
+        mine = [row for row, _ in timed]
+        del q, keys, values, ref, out, tensors, timed
         torch.cuda.empty_cache()
         best = max(mine, key=lambda r: r["gbps"])
         default = next((r for r in mine if r["default"]), None)

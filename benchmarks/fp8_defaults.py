@@ -5,7 +5,9 @@ the quantize step alone, in one run.
 
 Each Variant is built and checked against float64 on the dequantized inputs at a ragged size (GQA,
 lengths no tile divides, outputs poisoned) in parallel worker processes first; then each is checked
-again on sampled rows of each shape and timed. Results are written after every shape.
+again on sampled rows of each shape, and the shape's Variants, the bf16 implementations and the
+quantize step are timed together in rotated rounds (sweep.py). Results are written after every
+shape.
 
     python benchmarks/fp8_defaults.py --seqlens 2048,16384 -o fp8_defaults_h100.json
 """
@@ -21,6 +23,7 @@ import json
 
 import torch
 from prefill_defaults import WS, _label, _sized, check_in_workers, ws_variant
+from sweep import time_in_rounds
 
 import tunegen
 from tunegen.kernels import fp8, peers
@@ -28,7 +31,6 @@ from tunegen.kernels.families import base, prefill
 from tunegen.kernels.gpu import cuda_gpu
 from tunegen.kernels.reference import TOLERANCE, attention_reference, sampled_error
 from tunegen.measure.suites import prefill_suite
-from tunegen.tuning.timing import median_ms
 
 FP8_TOLERANCE = 3e-2  # P rounded to e4m3 before the second product (tests/test_fp8.py)
 
@@ -135,6 +137,7 @@ def main() -> None:
             values = [fp8.dequantize(t, s, torch.float32) for t, s in zip(x[:3], x[3:], strict=True)]
             scale = shape.head_dim**-0.5
             row = {"shape": shape.__dict__}
+            timed = []
             calls = {
                 "quantize-fp8": (functools.partial(tunegen.quantize_fp8, q, k, v), None),
                 "tunegen-bf16": (
@@ -148,28 +151,24 @@ def main() -> None:
                 if check is not None:
                     err = sampled_error(out, *check, causal=shape.causal, scale=scale, generator=gen)
                     assert err < TOLERANCE["bfloat16"], (name, err)
-                ms = median_ms(fn, warmup_ms=25, rep_ms=200)
-                results.append(
-                    {**row, "impl": name, "ms": ms, "tflops": None if check is None else flops / ms / 1e9}
-                )
+                results.append({**row, "impl": name, "ms": None, "tflops": None})
+                timed.append((results[-1], fn))
+            out = torch.empty(q.shape, device="cuda", dtype=torch.bfloat16)
             for vd in good:
-                variant = prefill.PrefillVariant(**vd)
-                kernel = base.build(prefill.FAMILY, variant, _problem(shape), gpu)
-                out = torch.full(q.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+                kernel = base.build(prefill.FAMILY, prefill.PrefillVariant(**vd), _problem(shape), gpu)
+                out.fill_(float("nan"))
                 fn = functools.partial(kernel.launch, *x[:3], out, None, scale, *x[3:])
                 fn()
                 err = sampled_error(out, *values, causal=shape.causal, scale=scale, generator=gen)
-                ms = median_ms(fn, warmup_ms=25, rep_ms=200) if err < FP8_TOLERANCE else None
-                results.append(
-                    {
-                        **row,
-                        "variant": vd,
-                        "label": _label(vd),
-                        "ms": ms,
-                        "tflops": ms and flops / ms / 1e9,
-                        "error": err,
-                    }
-                )
+                rec = {**row, "variant": vd, "label": _label(vd), "ms": None, "tflops": None, "error": err}
+                results.append(rec)
+                if err < FP8_TOLERANCE:
+                    timed.append((rec, fn))
+            time_in_rounds(timed)
+            for rec, _ in timed:
+                if rec.get("impl") != "quantize-fp8":  # the quantize step: no FLOPs of its own
+                    rec["tflops"] = flops / rec["ms"] / 1e9
+            del out, timed
             torch.cuda.empty_cache()
             write()
             mine = [r for r in results if r.get("shape") == shape.__dict__ and r.get("tflops")]

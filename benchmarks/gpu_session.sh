@@ -10,6 +10,7 @@
 #   bash benchmarks/gpu_session.sh backward     # backward tests, the knob sweep, bench with Flex
 #   bash benchmarks/gpu_session.sh fp8          # FP8 tests, the sweep, bench fp8 in short runs, accuracy
 #   bash benchmarks/gpu_session.sh multigpu     # on 2+ GPUs: tune --gpus all against --gpus 1, bench prefill/decode
+#   bash benchmarks/gpu_session.sh fair         # issue 27: the eager comparisons again, peers timed as tunegen is
 set -uo pipefail
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
@@ -102,6 +103,16 @@ multigpu() {  # issue 18, on a host with two or more GPUs of one model (an H200 
     # D=64 and 128 were measured on one H200 (results/bench_prefill_h200_d64_d128.*); these remain.
     step bench-prefill tunegen bench prefill --head-dims 256 -o "$OUT/bench_prefill_h200_d256.csv"
     step bench-decode tunegen bench decode -o "$OUT/decode_bench_h200.csv"
+}
+
+fair() {  # issue 27, on one H100 in under 8 minutes: every claim made from an eager comparison with
+    # SDPA peers, measured again now that a peer's backend is chosen once around its timing rather
+    # than by each call (see benchmarks/fair_summary.py, which writes $OUT/fair.md and prints it)
+    step fair-launch python3 "$REPO/benchmarks/dispatch_overhead.py" -o "$OUT/fair_launch.json"
+    step fair-decode tunegen bench decode --page-sizes 0 -o "$OUT/fair_decode.csv"
+    step fair-prefill tunegen bench prefill --seqlens 512,1024 --head-dims 64,128 \
+        --impl tunegen,sdpa-cudnn,sdpa-flash -o "$OUT/fair_prefill.csv"
+    python3 "$REPO/benchmarks/fair_summary.py" "$OUT"
 }
 
 tune() {

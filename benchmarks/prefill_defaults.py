@@ -4,9 +4,10 @@ backends) in the same run.
 
 Compiles every Variant in parallel worker processes first, each checked there against float64 at a
 ragged size (GQA, lengths no tile divides, outputs poisoned); Triton's cache is shared on disk, so
-the timing process reuses those builds. Then, one after another on the GPU, each Variant is checked
-again on sampled rows of each suite shape and timed. A kernel that hangs stops the run after
-`--hang-s` seconds with what was measured so far written out.
+the timing process reuses those builds. Then, on the GPU, each Variant is checked again on sampled
+rows of each suite shape, and the shape's Variants and peers that passed are timed together in
+rotated rounds (sweep.py). A kernel that hangs in its check stops the run after `--hang-s` seconds
+with what was measured so far written out.
 
     python benchmarks/prefill_defaults.py --seqlens 1024,4096,16384 --schedules ws -o ws.json
 """
@@ -24,13 +25,13 @@ import multiprocessing as mp
 import sys
 
 import torch
+from sweep import time_in_rounds
 
 from tunegen.kernels import peers
 from tunegen.kernels.families import base, prefill
 from tunegen.kernels.gpu import cuda_gpu
 from tunegen.kernels.reference import TOLERANCE, attention_reference, sampled_error
 from tunegen.measure.suites import Shape, prefill_suite
-from tunegen.tuning.timing import median_ms
 
 TILES = {  # schedule "fa2": block_m, block_n, num_warps, num_stages
     64: [
@@ -195,17 +196,21 @@ def _label(v: dict) -> str:
     return text + order + (" rev" if v["reverse_m"] else "")
 
 
-def _time_peers(shape: Shape, q, k, v, gen) -> dict[str, float | None]:
-    times = {}
+def _check_peers(shape: Shape, q, k, v, gen, results: list[dict]) -> list[tuple[dict, functools.partial]]:
+    """Each peer's record (in `results`) and call, for those that run the shape and are right."""
+    timed = []
     for name in PEERS:
+        rec = {"shape": shape.__dict__, "impl": name, "ms": None, "tflops": None}
+        results.append(rec)
         fn = functools.partial(peers.sdpa(name, shape.causal), q, k, v)
         try:
             out = fn()
             err = sampled_error(out, q, k, v, causal=shape.causal, scale=shape.head_dim**-0.5, generator=gen)
-            times[name] = median_ms(fn, warmup_ms=25, rep_ms=200) if err < TOLERANCE["bfloat16"] else None
         except RuntimeError:
-            times[name] = None
-    return times
+            continue
+        if err < TOLERANCE["bfloat16"]:
+            timed.append((rec, fn))
+    return timed
 
 
 def main() -> None:
@@ -258,10 +263,8 @@ def main() -> None:
             problem = shape.problem("bfloat16")
             flops = problem.flops()
             q, k, v, gen = _inputs(shape)
-            for name, ms in _time_peers(shape, q, k, v, gen).items():
-                results.append(
-                    {"shape": shape.__dict__, "impl": name, "ms": ms, "tflops": ms and flops / ms / 1e9}
-                )
+            scale, out = shape.head_dim**-0.5, torch.empty_like(q)
+            timed = _check_peers(shape, q, k, v, gen, results)
             for (s0, vj), note in zip(jobs, checked, strict=True):
                 if s0 != shape0 or note:
                     continue
@@ -276,25 +279,23 @@ def main() -> None:
                 faulthandler.dump_traceback_later(args.hang_s, exit=True)
                 try:
                     kernel = base.build(prefill.FAMILY, variant, problem, gpu)
-                    out = torch.full_like(q, float("nan"))
-                    scale = shape.head_dim**-0.5
-                    kernel.launch(q, k, v, out, None, scale)
+                    out.fill_(float("nan"))
+                    launch = functools.partial(kernel.launch, q, k, v, out, None, scale)
+                    launch()
                     rec["err"] = sampled_error(out, q, k, v, causal=shape.causal, scale=scale, generator=gen)
                     if rec["err"] < TOLERANCE["bfloat16"]:
-                        rec["ms"] = median_ms(
-                            functools.partial(kernel.launch, q, k, v, out, None, scale),
-                            warmup_ms=25,
-                            rep_ms=200,
-                        )
-                        rec["tflops"] = flops / rec["ms"] / 1e9
+                        timed.append((rec, launch))
                     else:
                         rec["note"] = f"wrong: relative error {rec['err']:.2e}"
                 except Exception as exc:
                     rec["note"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                 faulthandler.cancel_dump_traceback_later()
                 results.append(rec)
+            time_in_rounds(timed)
+            for rec, _ in timed:
+                rec["tflops"] = flops / rec["ms"] / 1e9
             write()
-            del q, k, v
+            del q, k, v, out, timed
             torch.cuda.empty_cache()
     write()
     _print_table(results, groups, seqlens)

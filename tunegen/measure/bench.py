@@ -4,6 +4,7 @@ decode, backward). Every output is checked against float64 before it is timed (`
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
 import math
@@ -124,7 +125,8 @@ def bench_cases(
     problems: Sequence[Problem], *, seed: int = 0, on_row: Callable[[dict], None] | None = None
 ) -> list[dict]:
     """Check then time tunegen's dispatched kernel and every peer the family's case offers, per
-    Problem, in the family's unit (GB/s for decode)."""
+    Problem, in the family's unit (GB/s for decode), each credited with the work it does
+    (`credited`)."""
     from tunegen.kernels import dispatch
     from tunegen.kernels.families import get
 
@@ -133,7 +135,7 @@ def bench_cases(
     rows = []
     for problem in problems:
         family = get(problem.family)
-        unit, work = family.measure(problem)
+        unit, _ = family.measure(problem)
         kernel = dispatch.kernel_for(problem, gpu)
         case = family.case(problem, kernel, device, seed)
         bound = tolerance(problem)
@@ -145,6 +147,7 @@ def bench_cases(
             passed = [name for name, (ms, _, _) in checked.items() if ms is not None]
             calls_per_call = eager_and_graph(problem, kernel, case, passed, device, seed)
         for name, (ms, err, note) in checked.items():
+            work = credited(family, problem, name)
             row = {
                 "impl": name,
                 **problem.as_dict(),
@@ -172,13 +175,22 @@ def bench_cases(
     return rows
 
 
+def credited(family: Any, problem: Problem, impl: str) -> float:
+    """The work (FLOPs or bytes, in `family.measure`'s unit) implementation `impl` is credited
+    with on `problem`. tunegen's kernel reads the Problem's own tensors; a peer runs on their
+    16-bit values (a family's case hands the peers an FP8 Problem's inputs dequantized), so over
+    an FP8 KV cache a peer reads 2 bytes an element, not the kernel's 1."""
+    return family.measure(problem if impl == "tunegen" else dataclasses.replace(problem, fp8=False))[1]
+
+
 def eager_and_graph(
     problem: Problem, kernel: Any, case: Any, names: Sequence[str], device: torch.device, seed: int
 ) -> dict[str, tuple[float | None, float | None]]:
     """Per-call microseconds of each implementation called as a model calls it: "tunegen" is the
     public call, the others the peers `names`; eager (back to back, the host's cost included) and
-    replayed from a CUDA graph. Calls rotate over enough input sets to hold twice the L2 cache,
-    so that no call reads its inputs from the one before's cache lines."""
+    replayed from a CUDA graph, each peer inside its setting (`peers.pinned`), entered once.
+    Calls rotate over enough input sets to hold twice the L2 cache, so that no call reads its
+    inputs from the one before's cache lines."""
     from tunegen.kernels.families import get
 
     family = get(problem.family)
@@ -189,4 +201,7 @@ def eager_and_graph(
     public = PUBLIC_CALLS[problem.family]
     impls = {"tunegen": [functools.partial(public, *c.public[0], **c.public[1]) for c in cases]}
     impls.update({name: [c.peers[name] for c in cases] for name in names if name != "tunegen"})
-    return {name: (per_call_us(c, graph=False), per_call_us(c, graph=True)) for name, c in impls.items()}
+    return {
+        name: (per_call_us(c, graph=False, impl=name), per_call_us(c, graph=True, impl=name))
+        for name, c in impls.items()
+    }

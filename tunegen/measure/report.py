@@ -126,8 +126,10 @@ def measurement(row: dict[str, Any], source: str = "") -> Measurement:
             heads_q, heads_kv = int(row["num_heads_q"]), int(row["num_heads_kv"])
             seqlen_q, seqlen_k = int(row["seqlen_q"]), int(row["seqlen_k"])
         impl, dtype = str(row["impl"]), str(row["dtype"])
-        if _flag(row.get("fp8")) and family == "decode":  # bench fp8 times bf16 and e4m3 caches alike
+        if _flag(row.get("fp8")) and family == "decode" and impl == "tunegen":  # bench fp8: both caches
             impl, dtype = f"{impl} (e4m3 KV cache)", "fp8"
+        elif _flag(row.get("fp8")) and family == "decode":  # peers read the e4m3 cache's 16-bit copy
+            impl = f"{impl} (16-bit copy of the e4m3 KV cache)"
         elif dtype == "fp8" and impl in FP8_PREFILL:
             impl = f"{impl} ({FP8_PREFILL[impl]})"
         return Measurement(
