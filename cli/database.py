@@ -22,9 +22,11 @@ if TYPE_CHECKING:
 @click.option("--family", default=None, help="Only this family.")
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
 def list_winners(db_url: str | None, gpu_name: str | None, family: str | None, fmt: str) -> None:
-    """List the Winners in the tuning database."""
+    """List the Winners in the tuning database, and the rows this tunegen cannot serve and why."""
     from rich.console import Console
     from rich.table import Table
+
+    from tunegen.kernels.database import unusable
 
     with opened_store(db_url, readonly=True) as store:
         winners = store.winners(gpu_name=gpu_name, family=family)
@@ -47,6 +49,10 @@ def list_winners(db_url: str | None, gpu_name: str | None, family: str | None, f
             w.triton_version,
         )
     Console(width=220).print(table)
+    for w in winners:
+        reason = unusable(w)
+        if reason:
+            click.echo(f"unusable: id {w.id} cannot be served by this tunegen (dispatch skips it): {reason}")
 
 
 @click.command()
@@ -65,11 +71,12 @@ def show(db_url: str | None, winner_id: int) -> None:
 
 
 def _entry(w: WinnerRecord) -> dict:
-    """A Winner as `list` and `show` print it: its exchange entry with only the knobs that apply."""
-    from tunegen.kernels.database import applicable_knobs
+    """A Winner as `list` and `show` print it: its exchange entry with only the knobs that apply,
+    and why dispatch cannot serve it (null when it can)."""
+    from tunegen.kernels.database import applicable_knobs, unusable
     from tunegen.tuning_db.exchange import entry
 
-    return {**entry(w), "variant": applicable_knobs(w)}
+    return {**entry(w), "variant": applicable_knobs(w), "unusable": unusable(w)}
 
 
 @click.command("export")
@@ -96,6 +103,11 @@ def _entry(w: WinnerRecord) -> dict:
 @click.option(
     "--allow-mixed-gpus", is_flag=True, help="python, aot: one table may hold several GPUs' winners."
 )
+@click.option(
+    "--replace",
+    is_flag=True,
+    help="Replace an earlier export there: only the files it wrote are removed, never others.",
+)
 def export_winners(
     db_url: str | None,
     fmt: str,
@@ -104,6 +116,7 @@ def export_winners(
     families: tuple[str, ...],
     package: str,
     allow_mixed_gpus: bool,
+    replace: bool,
 ) -> None:
     """Export Winners: to another machine, or to run without tunegen."""
     from tunegen.export import export
@@ -117,6 +130,7 @@ def export_winners(
             families=families,
             package=package,
             allow_mixed_gpus=allow_mixed_gpus,
+            replace=replace,
         )
     for path, count in report.written.items():
         click.echo(f"{path}: {count} winners")
@@ -132,22 +146,28 @@ def export_winners(
     "files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path)
 )
 def import_winners(db_url: str | None, files: tuple[Path, ...]) -> None:
-    """Import Winners from exported JSON files; a faster result replaces a slower one."""
-    from tunegen.export.json_files import with_every_knob
-    from tunegen.tuning_db import import_document
+    """Import Winners from exported JSON files; a faster result replaces a slower one. Every file
+    is checked first, each Problem and Variant rebuilt and checked against its family: one bad
+    entry refuses its file, and then nothing is imported."""
+    from tunegen.kernels.database import check_document
+    from tunegen.tuning_db import record_imported
 
-    documents = []
+    checked = []
     for path in files:
         try:
-            documents.append((path, json.loads(path.read_text())))
+            document = json.loads(path.read_text(encoding="utf-8"))
+            checked.append((path, check_document(document)))
+        except UnicodeDecodeError as exc:
+            raise click.ClickException(
+                f"{path}: not UTF-8 text (byte {exc.start}); an export is UTF-8 JSON; nothing was imported"
+            ) from None
         except (OSError, json.JSONDecodeError) as exc:
-            raise click.ClickException(f"{path}: not readable JSON: {exc}") from None
+            raise click.ClickException(f"{path}: not readable JSON: {exc}; nothing was imported") from None
+        except ValueError as exc:
+            raise click.ClickException(f"{path}: {exc}; nothing was imported") from None
     with opened_store(db_url, readonly=False) as store:
-        for path, document in documents:
-            try:
-                report = import_document(store, with_every_knob(document))
-            except ValueError as exc:
-                raise click.ClickException(f"{path}: {exc}; nothing from it was imported") from None
+        for path, winners in checked:
+            report = record_imported(store, winners)
             click.echo(
                 f"{path}: merged {report.merged}, replaced {report.replaced}, skipped {report.skipped}"
             )

@@ -5,6 +5,7 @@ and the schema checked against this release's Alembic migrations and upgraded wh
 from __future__ import annotations
 
 import contextlib
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -71,10 +72,36 @@ class Database:
         if self.empty:
             return
         try:
-            self._check_schema(upgrade=not readonly)
+            self._open()
         except BaseException:
             self.engine.dispose()
             raise
+
+    def _open(self) -> None:
+        """Check the schema (upgrading it and proving a write goes through, unless read-only). A
+        SQLite file in WAL mode whose folder cannot be written (no -shm file can be made) is read
+        as immutable instead, unless its write-ahead log holds changes that reading would miss."""
+        try:
+            self._check_schema(upgrade=not self.readonly)
+        except TuningDbError as exc:
+            path = self._sqlite_path() if self.readonly else None
+            if path is None or "unable to open database file" not in str(exc.__cause__):
+                raise
+            wal = path.with_name(path.name + "-wal")
+            if wal.exists() and wal.stat().st_size > 0:
+                raise TuningDbError(
+                    f"{self.name}: cannot read it: its folder is read-only and its write-ahead log {wal} "
+                    "holds changes not yet in the database; open it once where its folder is writable "
+                    "(any tunegen command folds them in)"
+                ) from exc
+            self.engine.dispose()
+            self.url = sa.engine.URL.create(
+                "sqlite",
+                database=f"file:{urllib.parse.quote(str(path.resolve()))}",
+                query={"mode": "ro", "immutable": "1", "uri": "true"},
+            )
+            self.engine = self._create_engine()
+            self._check_schema(upgrade=False)
 
     # -- connection ------------------------------------------------------------------------
 
@@ -101,7 +128,13 @@ class Database:
         path = self._sqlite_path()
         memory = path is None
         if path is not None and not self.readonly:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise TuningDbError(
+                    f"{self.name}: cannot make its folder {path.parent}: {exc.strerror or exc}; point "
+                    "TUNEGEN_DB (or --db) at a database in a folder you can write"
+                ) from None
         engine = sa.create_engine(
             self.url,
             connect_args={"timeout": self.lock_timeout, "check_same_thread": False},
@@ -140,6 +173,11 @@ class Database:
                 hint = f"another process held it locked for more than {self.lock_timeout:g} s; try again"
             elif "readonly" in lowered or "read-only" in lowered:
                 hint = "it is read-only; point TUNEGEN_DB (or --db) at a writable database"
+            elif "unable to open database file" in lowered:
+                hint = (
+                    "SQLite cannot open it or make its files beside it (is its folder read-only?); point "
+                    "TUNEGEN_DB (or --db) at a database in a folder you can write"
+                )
             elif "not a database" in lowered or "malformed" in lowered:
                 hint = "the file is not a SQLite database (or is damaged); nothing was changed"
             else:
@@ -181,7 +219,7 @@ class Database:
             ).get_current_revision()
 
     def _check_schema(self, *, upgrade: bool) -> None:
-        context = self._write("check its schema") if upgrade else self._read("check its schema")
+        context = self._write("open it for writing") if upgrade else self._read("check its schema")
         with context as conn:
             if upgrade and self.url.get_backend_name() == "postgresql":
                 conn.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": _PG_MIGRATION_LOCK})
@@ -213,6 +251,10 @@ class Database:
                         f"{self.name}: tables {missing} are missing: the database is damaged; nothing was "
                         "changed. Restore it from a backup or point TUNEGEN_DB elsewhere"
                     )
+                if upgrade:
+                    # A read-only file, folder, URL or server refuses this write now, with a clear
+                    # error, rather than in the middle of the caller's work (Optuna's, say).
+                    conn.execute(sa.text(f"UPDATE {VERSION_TABLE} SET version_num = version_num"))
                 return
             if not upgrade:
                 raise TuningDbError(

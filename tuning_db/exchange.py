@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 import re
 from collections import Counter
+from collections.abc import Iterable
 from typing import Any
 
 from tunegen.tuning_db.records import GpuRecord, WinnerRecord
@@ -45,20 +47,25 @@ def export_documents(
     store: Store, *, gpu_name: str | None = None, family: str | None = None
 ) -> dict[str, dict]:
     """One document per GPU holding its winners, keyed by file name."""
+    return documents(store.winners(gpu_name=gpu_name, family=family))
+
+
+def documents(winners: Iterable[WinnerRecord]) -> dict[str, dict]:
+    """One document per GPU holding its winners among `winners`, keyed by file name."""
     groups: dict[GpuRecord, list[WinnerRecord]] = {}
-    for w in store.winners(gpu_name=gpu_name, family=family):
+    for w in winners:
         groups.setdefault(dataclasses.replace(w.gpu, driver=""), []).append(w)
-    documents = {}
-    for gpu, winners in groups.items():
-        winners.sort(key=lambda w: (w.family, sorted(w.problem.items()), w.triton_version))
-        documents[file_name(gpu)] = {
+    out = {}
+    for gpu, group in groups.items():
+        group.sort(key=lambda w: (w.family, sorted(w.problem.items()), w.triton_version))
+        out[file_name(gpu)] = {
             "format": FORMAT,
             "version": VERSION,
-            "gpu": dataclasses.asdict(max(winners, key=lambda w: w.created_at).gpu),
+            "gpu": dataclasses.asdict(max(group, key=lambda w: w.created_at).gpu),
             "exported_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            "winners": [entry(w) for w in winners],
+            "winners": [entry(w) for w in group],
         }
-    return documents
+    return out
 
 
 def _need(cond: bool, where: str, expected: str, got: Any) -> None:
@@ -67,7 +74,7 @@ def _need(cond: bool, where: str, expected: str, got: Any) -> None:
 
 
 def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def parse_document(doc: Any) -> list[WinnerRecord]:
@@ -112,17 +119,22 @@ def parse_document(doc: Any) -> list[WinnerRecord]:
         _need(
             _number(e.get("median_ms")) and e["median_ms"] > 0,
             f"{at}.median_ms",
-            "a positive number",
+            "a positive finite number",
             e.get("median_ms"),
         )
         _need(
             _number(e.get("rel_err")) and e["rel_err"] >= 0,
             f"{at}.rel_err",
-            "a number >= 0",
+            "a finite number >= 0",
             e.get("rel_err"),
         )
         for name in ("tflops", "gbps"):
-            _need(e.get(name) is None or _number(e[name]), f"{at}.{name}", "a number or null", e.get(name))
+            _need(
+                e.get(name) is None or _number(e[name]),
+                f"{at}.{name}",
+                "a finite number or null",
+                e.get(name),
+            )
         peer = e.get("peer")
         _need(
             peer is None
@@ -171,6 +183,12 @@ class ImportReport:
 
 
 def import_document(store: Store, doc: Any) -> ImportReport:
-    """Validate `doc` whole, then record its winners in one transaction."""
-    outcomes = Counter(store.record_winners(parse_document(doc)))
+    """Validate `doc` whole, then record its winners in one transaction (the store's own checks;
+    `tunegen import` also rebuilds each Problem and Variant: tunegen.kernels.database)."""
+    return record_imported(store, parse_document(doc))
+
+
+def record_imported(store: Store, winners: list[WinnerRecord]) -> ImportReport:
+    """Record a document's validated winners in one transaction: all of them or none."""
+    outcomes = Counter(store.record_winners(winners))
     return ImportReport(merged=outcomes["inserted"], replaced=outcomes["replaced"], skipped=outcomes["kept"])

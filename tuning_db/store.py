@@ -213,8 +213,8 @@ def _winner_record(w: WinnerRow, g: GpuRow, p: ProblemRow, v: VariantRow) -> Win
     return WinnerRecord(
         gpu=GpuRecord(g.name, g.capability, g.sm_count, g.smem_per_block, g.backend, g.driver),
         family=p.family,
-        problem=json.loads(p.key),
-        variant=json.loads(v.config),
+        problem=_json_object(p.key),
+        variant=_json_object(v.config),
         median_ms=w.median_ms,
         rel_err=w.rel_err,
         triton_version=w.triton_version,
@@ -228,6 +228,16 @@ def _winner_record(w: WinnerRow, g: GpuRow, p: ProblemRow, v: VariantRow) -> Win
         created_at=created,
         id=w.id,
     )
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """A stored Problem or Variant; {} for one that is not a JSON object (a row damaged or written
+    by hand), which no valid record has, so that reading every row never fails on one."""
+    try:
+        data = json.loads(text)
+    except (TypeError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def check_winner(winner: WinnerRecord) -> None:

@@ -236,7 +236,9 @@ def test_one_table_holds_one_gpu_unless_asked(user_db, tmp_path):
     export(user_db, "python", tmp_path / "b", "--gpu", "triton-interpreter")
     table = json.loads((tmp_path / "b" / "tunegen_kernels" / "table.json").read_text())
     assert [e["gpu"]["name"] for e in table] == ["triton-interpreter"]
-    export(user_db, "python", tmp_path / "b", "--allow-mixed-gpus")
+    again = export(user_db, "python", tmp_path / "b", "--allow-mixed-gpus", ok=False)
+    assert "holds an earlier tunegen export; pass --replace" in again.output
+    export(user_db, "python", tmp_path / "b", "--allow-mixed-gpus", "--replace")
     exported = tmp_path / "b" / "tunegen_kernels"
     table = json.loads((exported / "table.json").read_text())
     assert sorted(e["gpu"]["name"] for e in table) == ["NVIDIA H100 80GB HBM3", "triton-interpreter"]

@@ -80,7 +80,12 @@ def test_aot_export_compiles_offline_and_the_c_demo_builds_against_it(user_db, t
     header = (root / kernel["header"]).read_text()
     assert re.search(rf"CUresult {kernel['entry']}\(CUstream stream, CUdeviceptr Q, .*float qk_scale", header)
     assert all((root / s).exists() for s in [*kernel["sources"], kernel["triton_source"]])
-    assert sorted(p.name for p in root.iterdir()) == ["manifest.json", "provenance.json", row["kernel"]]
+    assert sorted(p.name for p in root.iterdir()) == [
+        ".tunegen-export",
+        "manifest.json",
+        "provenance.json",
+        row["kernel"],
+    ]
     nm = shutil.which("nm")
     if nm:
         objects = [str(o) for o in work.glob("tunegen_*.o")]

@@ -140,3 +140,37 @@ def test_doctor_on_a_database_not_created_yet(tmp_path):
         "prefill, every preset, causal and not, N = 1024, 4096, 16384, bf16: "
         f"0 tuned, 0 nearest bucket, {len(suite())} default Variant"
     ]
+
+
+def test_doctor_reports_rows_it_cannot_serve_and_counts_the_rest(tmp_path):
+    """A stored row without its Problem's family (written by hand or an older release) crashed
+    doctor (KeyError 'family'); one whose Problem is not JSON crashed reading the store. Both are
+    listed with the reason, and the good Winner beside them still counts."""
+    import sqlalchemy as sa
+
+    url = f"sqlite:///{tmp_path / 'd.db'}"
+    prefill = suite()
+    record(url, prefill[0])
+    gpu = current_gpu()
+    variant = get("prefill").default_variant(prefill[1], gpu).as_dict()
+    no_family = {k: v for k, v in prefill[1].as_dict().items() if k != "family"}
+    bad = WinnerRecord(
+        gpu_record(gpu), "prefill", no_family, variant, 1.0, 1e-3, gpu.triton_version, "2", "h"
+    )
+    with Store(url) as store:
+        store.record_winners([bad, dataclasses.replace(bad, problem=prefill[2].as_dict())])
+    engine = sa.create_engine(url)
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text("UPDATE tunegen_problems SET key = '{not json' WHERE key = :key"),
+            {"key": json.dumps(prefill[2].as_dict(), sort_keys=True, separators=(",", ":"))},
+        )
+    engine.dispose()
+    report = json.loads(doctor("--db", url, "--format", "json"))
+    reasons = sorted(u["reason"] for u in report["unusable"])
+    assert len(reasons) == 2 and "problem: missing fields ['family']" in reasons
+    assert "problem: expected an object of the Problem's fields, got {}" in reasons
+    assert report["winners_for_this_gpu"]["user"] == 1 and report["coverage"]["winner"] == 1
+    text = doctor("--db", url)
+    assert "unusable   2 stored rows this tunegen cannot serve (skipped):" in text
+    assert "missing fields ['family']" in text

@@ -43,3 +43,10 @@ def winner(i: int = 0, ms: float = 1.0, block_m: int = 128, **changes) -> Winner
         peer_ms=1.4,
     )
     return dataclasses.replace(w, **changes)
+
+
+def servable(i: int = 0, ms: float = 1.0, **changes) -> WinnerRecord:
+    """A Winner this release rebuilds and serves: the Problems above carry an extra field
+    (`variant_of`), which the store keeps as it is but `tunegen import` and dispatch refuse."""
+    w = winner(i, ms, **changes)
+    return dataclasses.replace(w, problem={k: v for k, v in w.problem.items() if k != "variant_of"})

@@ -11,7 +11,7 @@ import optuna
 import pytest
 from click.testing import CliRunner
 
-from store_records import H100, problem, winner
+from store_records import H100, problem, servable, winner
 from tunegen.cli.main import main
 from tunegen.tuning_db import (
     Store,
@@ -49,7 +49,8 @@ def test_json_round_trip_and_merge_report(url, tmp_path):
     ("path", "value", "pattern"),
     [
         (("format",), "other", r"format: expected 'tunegen-winners'"),
-        (("winners", 1, "median_ms"), -1, r"winners\[1\]\.median_ms: expected a positive number"),
+        (("winners", 1, "median_ms"), -1, r"winners\[1\]\.median_ms: expected a positive finite number"),
+        (("winners", 1, "median_ms"), float("inf"), r"winners\[1\]\.median_ms: expected a positive finite"),
         (("winners", 2, "rel_err"), "small", r"winners\[2\]\.rel_err"),
         (("winners", 0, "created_at"), "yesterday", r"winners\[0\]\.created_at: expected an ISO 8601 time"),
         (("gpu", "sm_count"), "many", r"gpu\.sm_count: expected an integer"),
@@ -96,7 +97,7 @@ def test_optuna_studies_share_the_database(url):
 def test_cli_list_show_export_import_upgrade(url, tmp_path):
     runner = CliRunner()
     with Store(url) as store:
-        store.record_winners([winner(i, ms=1.0 + i) for i in range(2)])
+        store.record_winners([servable(i, ms=1.0 + i) for i in range(2)])
     table = runner.invoke(main, ["list", "--db", url])
     assert table.exit_code == 0, table.output
     assert "bfloat16 D128 H32/8" in table.output and "1.40x sdpa-flash" in table.output

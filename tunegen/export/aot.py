@@ -206,10 +206,12 @@ def kernel_name(selected: Selected) -> str:
     return f"tunegen_{selected.winner.family}_sm{major}{minor}_{dtype}_{selected.rendered.digest[:12]}"
 
 
-def write_aot(selection: Selection, output: Path, workers: int | None = None) -> tuple[Path, Selection]:
-    """Compile the selected Winners into `output` with a manifest.json (kernels, and a table from
-    Problem to kernel); returns the manifest and the Winners compiled (the others moved to
-    skipped, with the reason)."""
+def write_aot(
+    selection: Selection, output: Path, workers: int | None = None, *, replace: bool = False
+) -> tuple[Path, Selection]:
+    """Compile the selected Winners into `output` (an earlier export there only with `replace`)
+    with a manifest.json (kernels, and a table from Problem to kernel); returns the manifest and
+    the Winners compiled (the others moved to skipped, with the reason)."""
     skipped = list(selection.skipped)
     jobs: dict[str, AotJob] = {}
     wanted: list[Selected] = []
@@ -243,7 +245,7 @@ def write_aot(selection: Selection, output: Path, workers: int | None = None) ->
         raise ValueError(
             "no winners to compile ahead of time: " + "; ".join(sorted({k.reason for k in skipped}))
         )
-    with staged(output) as root:
+    with staged(output, replace=replace, whole_folder=True) as root:
         context = multiprocessing.get_context("spawn")
         with interpreting(False), concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
             staged_jobs = [dataclasses.replace(job, folder=str(root / job.folder)) for job in jobs.values()]

@@ -48,7 +48,7 @@ LIBRARY = (
 # The launcher the kernels import (templates/_attention.j2, launcher_import), which the package
 # carries as _tunegen/launcher.py.
 KERNEL_IMPORT = "from tunegen.kernels import launcher\n"
-LAUNCHER = ("tunegen.kernels.launcher", ("bound", "key_of", "memoized", "rebased", "stream_of"))
+LAUNCHER = ("tunegen.kernels.launcher", ("bound", "key_of", "memoized", "rebased", "stream_of", "workspace"))
 DECODE_LIBRARY = (
     ("tunegen.decode", "checking", "checking"),
     ("tunegen.decode", "_problem", "decode_problem"),
@@ -96,10 +96,12 @@ def kernel_source(selected: Selected) -> str:
     return source.replace(KERNEL_IMPORT, "from .._tunegen import launcher\n", 1)
 
 
-def write_package(selection: Selection, output: Path, package: str) -> tuple[Path, Selection]:
-    """Write the package `package` into `output` (replacing an earlier export of that name);
-    returns its folder and the selection it holds (Winners of families it cannot serve moved to
-    skipped)."""
+def write_package(
+    selection: Selection, output: Path, package: str, *, replace: bool = False
+) -> tuple[Path, Selection]:
+    """Write the package `package` into `output` (an earlier export of that name only with
+    `replace`); returns its folder and the selection it holds (Winners of families it cannot serve
+    moved to skipped)."""
     if not package.isidentifier() or keyword.iskeyword(package):
         raise ValueError(f"package: expected a Python identifier such as tunegen_kernels, got {package!r}")
     served = [s for s in selection.selected if s.winner.family in SERVED]
@@ -135,7 +137,7 @@ def write_package(selection: Selection, output: Path, package: str) -> tuple[Pat
         files[f"_tunegen/{name}.py"] = source
     for s in served:
         files[f"kernels/{kernel_module(s)}.py"] = kernel_source(s)
-    with staged(output / package) as staging:
+    with staged(output / package, replace=replace, whole_folder=True) as staging:
         for name, text in files.items():
             (staging / name).parent.mkdir(parents=True, exist_ok=True)
             (staging / name).write_text(text)

@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from tunegen.kernels import dispatch
-from tunegen.kernels.database import gpu_from_record
+from tunegen.kernels.database import gpu_from_record, problem_from_dict
 from tunegen.kernels.families import FAMILIES, get
 from tunegen.kernels.gpu import Gpu
 from tunegen.kernels.problem import Problem
@@ -56,10 +56,11 @@ def wanted_families(families: Sequence[str]) -> set[str]:
     return set(families or FAMILIES)
 
 
-def no_winners(gpu_name: str | None, families: set[str]) -> ValueError:
-    """The error for an export that found nothing to write."""
+def no_winners(gpu_name: str | None, families: set[str], skipped: Sequence[Skipped] = ()) -> ValueError:
+    """The error for an export that found nothing to write (and the first reason it skipped one)."""
     where = f" for GPU {gpu_name!r}" if gpu_name else ""
-    return ValueError(f"no winners to export{where} in families {sorted(families)}")
+    why = f"; {len(skipped)} skipped, the first because {skipped[0].reason}" if skipped else ""
+    return ValueError(f"no winners to export{where} in families {sorted(families)}{why}")
 
 
 def select(
@@ -98,12 +99,12 @@ def select(
 def _choose(group: list[WinnerRecord]) -> Selected | str:
     """What dispatch would serve from one (GPU, Problem)'s Winners, or why none can be exported."""
     first = group[0]
-    family = get(first.family)
     try:
-        problem = Problem(**first.problem)
-    except TypeError as exc:
-        return f"its Problem is not one this release knows ({exc})"
-    gpu = gpu_from_record(first.gpu)
+        family = get(first.family)
+        problem = problem_from_dict(first.problem)
+        gpu = gpu_from_record(first.gpu)
+    except ValueError as exc:
+        return f"this release cannot read it ({exc})"
     usable = dispatch._usable(group, problem, gpu)
     if not usable:
         return f"its Variant is not valid for this release on {gpu.name}"

@@ -20,7 +20,7 @@ import warnings
 
 import torch.distributed as dist
 
-from tunegen.kernels.database import gpu_record, open_store
+from tunegen.kernels.database import gpu_record, open_store, unusable
 from tunegen.kernels.gpu import Gpu
 from tunegen.kernels.problem import Problem
 from tunegen.tuning_db import TuningDbError, WinnerRecord, parse_document, shipped_store
@@ -31,7 +31,8 @@ from tunegen.tuning_db.records import canonical, features_key
 @dataclasses.dataclass(frozen=True)
 class Snapshot:
     """Every Winner for one Gpu: the user's (none if the database was unusable, `error` saying
-    why) and the shipped ones."""
+    why; rows this release cannot serve, of another release or edited by hand, left out) and the
+    shipped ones."""
 
     user: tuple[WinnerRecord, ...]
     shipped: tuple[WinnerRecord, ...]
@@ -90,7 +91,7 @@ def _read(gpu: Gpu) -> Snapshot:
     shipped = tuple(shipped_store().winners(gpu=record))
     try:
         with open_store(readonly=True) as store:
-            return Snapshot(tuple(store.winners(gpu=record)), shipped)
+            return Snapshot(tuple(w for w in store.winners(gpu=record) if unusable(w) is None), shipped)
     except TuningDbError as exc:
         return Snapshot((), shipped, str(exc))
 

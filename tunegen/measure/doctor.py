@@ -1,6 +1,7 @@
 """`tunegen doctor`: what this machine runs, which database it reads, which winners it has for
-this GPU, which are stale, and where dispatch would fall back to nearest buckets or defaults: for
-each family (FP8 prefill and decode apart) with a Winner for this GPU, prefill where none has."""
+this GPU, which stored rows it cannot serve and why, which are stale, and where dispatch would
+fall back to nearest buckets or defaults: for each family (FP8 prefill and decode apart) with a
+Winner for this GPU, prefill where none has."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 import triton
 
 from tunegen.kernels import snapshot
-from tunegen.kernels.database import database_url, gpu_record, open_store
+from tunegen.kernels.database import database_url, gpu_record, open_store, unusable
 from tunegen.kernels.dispatch import select
 from tunegen.kernels.gpu import Gpu, cuda_gpu, driver_version, interpreter_gpu
 from tunegen.kernels.problem import Problem
@@ -94,11 +95,18 @@ def report(url: str | None = None) -> dict[str, Any]:
     try:
         with open_store(url, readonly=True) as store:
             out["database"]["schema"] = None if store.empty else store.revision()
-            mine = store.winners(gpu=record)
+            stored = store.winners(gpu=record)
             out["database"]["winners"] = len(store.winners())
     except TuningDbError as exc:
         out["database"]["error"] = str(exc)
-        mine = []
+        stored = []
+    reasons = {w.id: unusable(w) for w in stored}
+    mine = [w for w in stored if reasons[w.id] is None]
+    out["unusable"] = [
+        {"id": w.id, "family": w.family, "problem": w.problem, "reason": reasons[w.id]}
+        for w in stored
+        if reasons[w.id] is not None
+    ]
     shipped = shipped_store().winners(gpu=record)
     out["winners_for_this_gpu"] = {"user": len(mine), "shipped": len(shipped)}
     out["stale"] = [
@@ -160,6 +168,9 @@ def render_text(r: dict[str, Any]) -> str:
         )
     w = r["winners_for_this_gpu"]
     lines.append(f"winners    {w['user']} for this GPU in the database, {w['shipped']} shipped with tunegen")
+    if r["unusable"]:
+        lines.append(f"unusable   {len(r['unusable'])} stored rows this tunegen cannot serve (skipped):")
+        lines += [f"           - id {u['id']} {u['family']}: {u['reason']}" for u in r["unusable"]]
     if r["stale"]:
         lines.append(
             f"stale      {len(r['stale'])} tuned under another Triton (used, with a warning; re-tune):"
