@@ -162,6 +162,11 @@ def test_the_caches_of_bound_calls_keep_the_most_recently_used():
     calls["d"] = print
     assert calls.get("b") is None and len(calls) == 3
     assert all(calls.get(key) is print for key in "acd")
+    big = launcher.Calls(size=16)
+    for key in range(17):
+        big[key] = print
+    assert len(big) == 14, "past the bound, the least recently used eighth goes at once"
+    assert big.get(2) is None and big.get(3) is print
     assert isinstance(dispatch.fast_calls, launcher.Calls)
     assert dispatch.fast_calls.size == launcher.CALL_CACHE_SIZE
 

@@ -16,7 +16,8 @@ import torch
 from conftest import HAS_CUDA, INTERPRETING
 
 import tunegen
-from tunegen.kernels import fp8
+from helpers import REL_TOL, make_cache, reference, rel_err
+from tunegen.kernels import fp8, launcher
 
 SHAPES = 500
 SLACK = 1 << 20
@@ -140,3 +141,24 @@ def test_memory_returns_to_its_baseline_after_hundreds_of_shapes(path):
     gc.collect()
     held = torch.cuda.memory_allocated() - baseline
     assert held <= SLACK, f"{path}: {held / 2**20:.1f} MiB still allocated after {SHAPES} shapes"
+
+
+def test_decode_kernels_sharing_a_streams_workspace_stay_exact():
+    """Decode Problems of different splits and sizes take turns on one stream, on the workspace kept
+    for it (grown as they come) and, past its bound, on one of their own per call: each call still
+    matches float64, and only a workspace within the bound is kept."""
+    gen = torch.Generator().manual_seed(27)
+    cases = []  # (batch, query tokens, query heads, cache lengths): small, batch-1 wide, past the bound
+    for batch, nq, hq, top in ((2, 1, 8, 300), (1, 1, 32, 4000), (4, 16, 64, 900)):
+        lengths = torch.randint(1, top, (batch,), generator=gen).tolist()
+        page = 16 if batch == 1 else 0
+        k_cache, v_cache, table = make_cache(batch, 8, 128, lengths, top, page, torch.bfloat16, "cuda", gen)
+        q = torch.randn(batch, nq, hq, 128, generator=gen).to("cuda", torch.bfloat16)
+        seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+        ref, _ = reference(q, k_cache, v_cache, table, lengths, True, 128**-0.5)
+        cases.append(((q, k_cache, v_cache, seqlens), {"block_table": table}, ref))
+    for _ in range(3):
+        for args, kwargs, ref in cases:
+            assert rel_err(tunegen.decode_attention(*args, **kwargs), ref) < REL_TOL[torch.bfloat16]
+    kept = [t for parts, *_ in launcher._WORKSPACES.values() for t in parts[:2] if t is not None]
+    assert kept and 4 * sum(t.numel() for t in kept) <= launcher.WORKSPACE_KEPT

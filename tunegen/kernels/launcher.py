@@ -14,6 +14,7 @@ ordinary path, as do Triton releases before 3.3 and `TUNEGEN_LAUNCH=generic`).
 
 from __future__ import annotations
 
+import itertools
 import os
 import warnings
 from collections.abc import Callable, Hashable
@@ -46,27 +47,35 @@ CALL_CACHE_SIZE = _call_cache_size(os.environ.get("TUNEGEN_CALL_CACHE"))
 
 
 class Calls:
-    """A map of bound calls that keeps the `size` (default CALL_CACHE_SIZE) most recently used."""
+    """A map of bound calls that keeps the `size` (default CALL_CACHE_SIZE) most recently used.
 
-    __slots__ = ("_items", "size")
+    A hit costs one lookup and a stamp (an ordered dict's move to the end would hash the key
+    twice more, a microsecond of the fast path's budget on the GPU machines' CPUs); past `size`,
+    the least recently used eighth is dropped at once, so the scan that finds it is paid once per
+    `size // 8` new keys, each of which costs a bind anyway."""
+
+    __slots__ = ("_clock", "_items", "size")
 
     def __init__(self, size: int | None = None) -> None:
         self.size = size or CALL_CACHE_SIZE
-        self._items: dict[Hashable, Callable[..., Any]] = {}  # in order of use, the oldest first
+        self._items: dict[Hashable, list] = {}  # key -> [call, stamp of its last use]
+        self._clock = itertools.count()
 
     def get(self, key: Hashable) -> Callable[..., Any] | None:
         """The call kept under `key` (now the most recently used), or None."""
-        items = self._items
-        call = items.pop(key, None)
-        if call is not None:
-            items[key] = call
-        return call
+        entry = self._items.get(key)
+        if entry is None:
+            return None
+        entry[1] = next(self._clock)
+        return entry[0]
 
     def __setitem__(self, key: Hashable, call: Callable[..., Any]) -> None:
         items = self._items
-        items[key] = call
-        while len(items) > self.size:
-            items.pop(next(iter(items), None), None)
+        items[key] = [call, next(self._clock)]
+        if len(items) > self.size:
+            by_use = sorted(list(items.items()), key=lambda item: item[1][1])
+            for old, _ in by_use[: len(items) - self.size + self.size // 8]:
+                items.pop(old, None)
 
     def __len__(self) -> int:
         return len(self._items)
@@ -216,14 +225,15 @@ def memoized(bind: Callable[..., Callable[..., None]], key: Callable[..., tuple]
 
 
 # Float32 bytes of workspace kept per (device, stream) between launches (see `workspace`): enough
-# for decode's split partials at small batches, whose calls are short enough for an allocation to
-# show; larger workspaces come from PyTorch's allocator for one call and go back to it.
-WORKSPACE_KEPT = 512 * 1024
+# for decode's split partials at batch 1 (32 query heads of 128 over 32 splits take 528 KiB), whose
+# calls are short enough for an allocation to show (4 to 5 µs each on the H100 machines' CPUs);
+# larger workspaces come from PyTorch's allocator for one call and go back to it.
+WORKSPACE_KEPT = 2 << 20
 # Streams whose workspace is kept (the most recent; a program that makes streams as it goes would
 # otherwise keep one per stream it ever used).
 WORKSPACE_STREAMS = 8
 
-_WORKSPACES: dict[tuple[int, int], tuple[tuple[torch.Tensor, ...], int, int, int]] = {}
+_WORKSPACES: dict[tuple[int, int], tuple[tuple[torch.Tensor | None, ...], int, int, int]] = {}
 
 
 def workspace(index: int, stream: int, floats: int, rows: int, counters: int) -> tuple[torch.Tensor, ...]:
@@ -234,7 +244,7 @@ def workspace(index: int, stream: int, floats: int, rows: int, counters: int) ->
     grown as needed up to WORKSPACE_KEPT bytes of float32 (and the counters to the largest call)."""
     kept = _WORKSPACES.get((index, stream))
     if kept is not None and floats <= kept[1] and rows <= kept[2] and counters <= kept[3]:
-        return kept[0]
+        return kept[0]  # type: ignore[return-value]
     return _grown(index, stream, floats, rows, counters)
 
 
@@ -243,17 +253,22 @@ def _grown(index: int, stream: int, floats: int, rows: int, counters: int) -> tu
     WORKSPACE_KEPT, allocate one for this call and keep only the counters."""
     key = (index, stream)
     f32 = {"device": torch.device("cuda", index), "dtype": torch.float32}
-    empty = torch.empty(0, **f32)
-    (parts, rows_part, counts), *_ = _WORKSPACES.pop(key, ((empty, empty, empty), 0, 0, 0))
-    if counts.numel() < counters:
-        counts = torch.zeros(max(counters, counts.numel()), device=f32["device"], dtype=torch.int32)
+    kept = _WORKSPACES.pop(key, None)
+    parts, rows_part, counts = kept[0] if kept is not None else (None, None, None)
+    if counts is None or counts.numel() < counters:
+        least = 0 if counts is None else counts.numel()
+        counts = torch.zeros(max(counters, least), device=f32["device"], dtype=torch.int32)
     if 4 * (floats + rows) > WORKSPACE_KEPT:
         one_call = (torch.empty(floats, **f32), torch.empty(rows, **f32), counts)
     else:
-        parts = parts if parts.numel() >= floats else torch.empty(floats, **f32)
-        rows_part = rows_part if rows_part.numel() >= rows else torch.empty(rows, **f32)
+        parts, rows_part = _at_least(parts, floats, f32), _at_least(rows_part, rows, f32)
         one_call = (parts, rows_part, counts)
-    _WORKSPACES[key] = ((parts, rows_part, counts), parts.numel(), rows_part.numel(), counts.numel())
+    sizes = [0 if t is None else t.numel() for t in (parts, rows_part, counts)]
+    _WORKSPACES[key] = ((parts, rows_part, counts), *sizes)
     while len(_WORKSPACES) > WORKSPACE_STREAMS:
         _WORKSPACES.pop(next(iter(_WORKSPACES)))
     return one_call
+
+
+def _at_least(kept: torch.Tensor | None, numel: int, options: dict[str, Any]) -> torch.Tensor:
+    return kept if kept is not None and kept.numel() >= numel else torch.empty(numel, **options)
