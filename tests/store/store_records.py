@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import warnings
+from collections.abc import Iterator
 
+import pytest
+
+from tunegen.kernels import snapshot
+from tunegen.kernels.database import gpu_from_record
+from tunegen.kernels.gpu import Gpu
+from tunegen.kernels.problem import Problem
 from tunegen.tuning_db import (
     GpuRecord,
     WinnerRecord,
@@ -50,3 +59,23 @@ def servable(i: int = 0, ms: float = 1.0, **changes) -> WinnerRecord:
     (`variant_of`), which the store keeps as it is but `tunegen import` and dispatch refuse."""
     w = winner(i, ms, **changes)
     return dataclasses.replace(w, problem={k: v for k, v in w.problem.items() if k != "variant_of"})
+
+
+# A Winner dispatch serves as stored: its Problem with every field this release writes.
+GOOD = dataclasses.replace(servable(0), problem=Problem(**servable(0).problem).as_dict())
+
+
+@contextlib.contextmanager
+def dispatch_snapshot(url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Gpu, snapshot.Snapshot]]:
+    """GOOD's GPU and dispatch's snapshot of the Winners at `url` for it (taken with warnings as
+    errors: a store it can read gives none), forgotten afterwards."""
+    monkeypatch.setenv("TUNEGEN_DB", url)
+    gpu = dataclasses.replace(gpu_from_record(GOOD.gpu), triton_version=GOOD.triton_version)
+    snapshot.forget()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            taken = snapshot.for_gpu(gpu)
+        yield gpu, taken
+    finally:
+        snapshot.forget()

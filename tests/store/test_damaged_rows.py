@@ -7,19 +7,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import warnings
 
 import sqlalchemy as sa
 from click.testing import CliRunner
 
-from store_records import servable
+from store_records import GOOD, dispatch_snapshot, servable
 from tunegen.cli.main import main
 from tunegen.kernels import snapshot
-from tunegen.kernels.database import gpu_from_record
 from tunegen.kernels.problem import Problem
 from tunegen.tuning_db import Store
-
-GOOD = dataclasses.replace(servable(0), problem=Problem(**servable(0).problem).as_dict())
 
 
 def damaged_store(url: str) -> dict[str, int]:
@@ -88,17 +84,9 @@ def test_the_json_export_leaves_damaged_rows_out_and_imports_whole(tmp_path):
 def test_dispatch_serves_the_good_rows_beside_damaged_ones(tmp_path, monkeypatch):
     url = f"sqlite:///{tmp_path / 't.db'}"
     damaged_store(url)
-    monkeypatch.setenv("TUNEGEN_DB", url)
-    gpu = dataclasses.replace(gpu_from_record(GOOD.gpu), triton_version=GOOD.triton_version)
-    snapshot.forget()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            taken = snapshot.for_gpu(gpu)
+    with dispatch_snapshot(url, monkeypatch) as (gpu, taken):
         assert taken.error is None and [w.problem for w in taken.user] == [GOOD.problem]
         mine, _ = taken.matching(Problem(**GOOD.problem))
         assert [w.variant for w in mine] == [GOOD.variant]
         shared = snapshot._from_json(snapshot._to_json(gpu, taken))
         assert [w.problem for w in shared.user] == [GOOD.problem], "ranks can share the snapshot"
-    finally:
-        snapshot.forget()

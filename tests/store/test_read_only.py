@@ -6,24 +6,17 @@ file and folder are made with `chattr +i` (the test is skipped where that is not
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 import subprocess
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
-from store_records import servable
+from store_records import GOOD, dispatch_snapshot
 from tunegen.cli.main import main
-from tunegen.kernels import snapshot
-from tunegen.kernels.database import gpu_from_record
-from tunegen.kernels.problem import Problem
 from tunegen.tuning_db import Store, TuningDbError
-
-GOOD = dataclasses.replace(servable(0), problem=Problem(**servable(0).problem).as_dict())
 
 
 @pytest.fixture
@@ -56,15 +49,8 @@ def database(folder: Path) -> str:
 
 def served(url: str, monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     """The Problems of the user's Winners dispatch serves from `url` (no warning allowed)."""
-    monkeypatch.setenv("TUNEGEN_DB", url)
-    gpu = dataclasses.replace(gpu_from_record(GOOD.gpu), triton_version=GOOD.triton_version)
-    snapshot.forget()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            return [w.problem for w in snapshot.for_gpu(gpu).user]
-    finally:
-        snapshot.forget()
+    with dispatch_snapshot(url, monkeypatch) as (_, taken):
+        return [w.problem for w in taken.user]
 
 
 def listed(url: str) -> str:
