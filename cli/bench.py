@@ -10,7 +10,16 @@ from pathlib import Path
 
 import click
 
-from tunegen.cli.options import CAUSAL, parse_ints, suite_options
+from tunegen.cli.options import (
+    CAUSAL,
+    COUNT,
+    COUNTS,
+    HEAD_DIM,
+    PAGE_SIZES,
+    check_kv_heads,
+    check_suite,
+    suite_options,
+)
 
 
 @click.group()
@@ -75,6 +84,7 @@ def bench_prefill(
     from tunegen.measure.rows import write_rows
     from tunegen.measure.suites import prefill_suite
 
+    check_suite(head_dims, hidden, kv_heads)
     _need_gpu()
     names = [s.strip() for s in impls.split(",")] if impls else ["tunegen", *peers.available()]
     shapes = prefill_suite(seqlens, head_dims, CAUSAL[causal], tokens, hidden, kv_heads)
@@ -98,17 +108,17 @@ def bench_prefill(
 
 
 @bench.command("decode")
-@click.option("--batches", callback=parse_ints, default="1,16,64", show_default=True)
-@click.option("--cache-lengths", callback=parse_ints, default="4096,32768", show_default=True)
-@click.option("--heads", type=int, default=32, show_default=True)
-@click.option("--kv-heads", type=int, default=8, show_default=True)
-@click.option("--head-dim", type=int, default=128, show_default=True)
+@click.option("--batches", type=COUNTS, default="1,16,64", show_default=True)
+@click.option("--cache-lengths", type=COUNTS, default="4096,32768", show_default=True)
+@click.option("--heads", type=COUNT, default=32, show_default=True)
+@click.option("--kv-heads", type=COUNT, default=8, show_default=True, help="A divisor of --heads.")
+@click.option("--head-dim", type=HEAD_DIM, default=128, show_default=True)
 @click.option(
     "--page-sizes",
-    callback=parse_ints,
+    type=PAGE_SIZES,
     default="0,64",
     show_default=True,
-    help="Cache layouts: 0 is contiguous, others paged with that many tokens a page.",
+    help="Cache layouts: 0 is contiguous, others paged with that many tokens a page (multiples of 16).",
 )
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None)
 def bench_decode(batches, cache_lengths, heads, kv_heads, head_dim, page_sizes, output) -> None:
@@ -119,6 +129,7 @@ def bench_decode(batches, cache_lengths, heads, kv_heads, head_dim, page_sizes, 
     from tunegen.measure.rows import write_rows
     from tunegen.measure.suites import decode_suite
 
+    check_kv_heads(heads, kv_heads)
     _need_gpu()
     problems = decode_suite(batches, cache_lengths, heads, kv_heads, head_dim, page_sizes)
     with Progress(transient=True) as progress:
@@ -174,6 +185,7 @@ def bench_backward(dtype, seqlens, head_dims, causal, tokens, hidden, kv_heads, 
     from tunegen.measure.suites import backward_suite
     from tunegen.tuning.presets import DTYPES
 
+    check_suite(head_dims, hidden, kv_heads)
     _need_gpu()
     problems = backward_suite(seqlens, head_dims, CAUSAL[causal], tokens, hidden, kv_heads, DTYPES[dtype])
     with Progress(transient=True) as progress:
@@ -195,24 +207,23 @@ def bench_backward(dtype, seqlens, head_dims, causal, tokens, hidden, kv_heads, 
 
 
 @bench.command("fp8")
-@click.option("--seqlens", callback=parse_ints, default="1024,2048,4096,8192,16384", show_default=True)
+@click.option("--seqlens", type=COUNTS, default="1024,2048,4096,8192,16384", show_default=True)
 @click.option("--causal", type=click.Choice(list(CAUSAL)), default="both", show_default=True)
 @click.option(
-    "--tokens", type=int, default=16384, show_default=True, help="Prefill tokens per batch: B = tokens / N."
+    "--tokens", type=COUNT, default=16384, show_default=True, help="Prefill tokens per batch: B = tokens / N."
 )
 @click.option(
-    "--hidden", type=int, default=2048, show_default=True, help="Prefill hidden size: H = hidden / 128."
+    "--hidden", type=COUNT, default=2048, show_default=True, help="Prefill hidden size: H = hidden / 128."
 )
-@click.option(
-    "--batches", callback=parse_ints, default="1,16,64", show_default=True, help="Decode batch sizes."
-)
-@click.option("--cache-lengths", callback=parse_ints, default="4096,32768", show_default=True)
+@click.option("--batches", type=COUNTS, default="1,16,64", show_default=True, help="Decode batch sizes.")
+@click.option("--cache-lengths", type=COUNTS, default="4096,32768", show_default=True)
 @click.option(
     "--page-sizes",
-    callback=parse_ints,
+    type=PAGE_SIZES,
     default="0,64",
     show_default=True,
-    help="Decode cache layouts: 0 is contiguous, others paged with that many tokens a page.",
+    help="Decode cache layouts: 0 is contiguous, others paged with that many tokens a page (multiples "
+    "of 16).",
 )
 @click.option(
     "-o",
@@ -233,6 +244,7 @@ def bench_fp8(seqlens, causal, tokens, hidden, batches, cache_lengths, page_size
     from tunegen.measure.bench_fp8 import bench_fp8_prefill, fp8_speedups, write_fp8_results
     from tunegen.measure.suites import fp8_decode_suite, prefill_suite
 
+    check_suite((128,), hidden)
     _need_gpu()
     shapes = prefill_suite(seqlens, (128,), CAUSAL[causal], tokens, hidden)
     with Progress(transient=True) as progress:

@@ -6,6 +6,8 @@ import json
 
 import click
 
+from tunegen.cli.options import COUNT, check_kv_heads
+
 
 @click.command()
 @click.option(
@@ -14,12 +16,17 @@ import click
     show_default=True,
     help="llama2-70b, llama2-7b, llama3-8b, llama3-70b, mistral-7b, qwen2.5-7b, gpt2.",
 )
-@click.option("--layers", type=int, default=None)
-@click.option("--heads", type=int, default=None)
-@click.option("--kv-heads", type=int, default=None)
-@click.option("--head-dim", type=int, default=None)
-@click.option("--seqlen", type=int, default=4096, show_default=True)
-@click.option("--batch", type=int, default=1, show_default=True)
+@click.option("--layers", type=COUNT, default=None, help="Layers (default: the preset's).")
+@click.option("--heads", type=COUNT, default=None, help="Query heads (default: the preset's).")
+@click.option(
+    "--kv-heads",
+    type=COUNT,
+    default=None,
+    help="Key/value heads, a divisor of the query heads (default: the preset's).",
+)
+@click.option("--head-dim", type=COUNT, default=None, help="Head dimension (default: the preset's).")
+@click.option("--seqlen", type=COUNT, default=4096, show_default=True)
+@click.option("--batch", type=COUNT, default=1, show_default=True)
 @click.option(
     "--dtype", type=click.Choice(["fp32", "fp16", "bf16", "fp8"]), default="fp16", show_default=True
 )
@@ -42,6 +49,7 @@ def memory(preset, layers, heads, kv_heads, head_dim, seqlen, batch, dtype, fmt)
         kv_heads=kv_heads or base.kv_heads,
         head_dim=head_dim or base.head_dim,
     )
+    check_kv_heads(model.heads, model.kv_heads)
     try:
         result = calc.report(model, seqlen=seqlen, batch=batch, dtype=dtype)
     except ValueError as exc:

@@ -3,9 +3,13 @@ GPU (or, without one, tiny shapes under Triton's interpreter) and record it as t
 
 from __future__ import annotations
 
-import click
+from collections.abc import Callable
+from typing import Any
 
-from tunegen.cli.options import CAUSAL, db_option, parse_ints
+import click
+from click.core import ParameterSource
+
+from tunegen.cli.options import CAUSAL, COUNT, COUNTS, PAGE_SIZE, db_option
 from tunegen.cli.text import problem_text, speed, variant_text
 
 
@@ -30,27 +34,31 @@ from tunegen.cli.text import problem_text, speed, variant_text
 @click.option("--causal", type=click.Choice(list(CAUSAL)), default="yes", show_default=True)
 @click.option(
     "--batches",
-    callback=parse_ints,
+    type=COUNTS,
     default="1,16,64",
     show_default=True,
     help="Decode: batch sizes to sweep.",
 )
 @click.option(
     "--page-size",
-    type=int,
+    type=PAGE_SIZE,
     default=0,
     show_default=True,
-    help="Decode: tokens per page of a paged cache (0: contiguous).",
+    help="Decode: tokens per page of a paged cache, a multiple of 16 (0: contiguous).",
 )
 @click.option(
     "--seqlens",
-    callback=parse_ints,
+    type=COUNTS,
     default="1024,4096,16384",
     show_default=True,
-    help="Sequence lengths to sweep.",
+    help="Sequence lengths to sweep (decode: cache lengths).",
 )
 @click.option(
-    "--tokens", type=int, default=16384, show_default=True, help="Tokens per batch: B = tokens / N."
+    "--tokens",
+    type=COUNT,
+    default=16384,
+    show_default=True,
+    help="Prefill and backward: tokens per batch, B = tokens / N.",
 )
 @click.option(
     "--trials",
@@ -68,7 +76,7 @@ from tunegen.cli.text import problem_text, speed, variant_text
 @click.option(
     "--sampler", type=click.Choice(["tpe", "random", "grid", "cmaes", "gp"]), default="tpe", show_default=True
 )
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=0, show_default=True)
 @click.option(
     "--gpus",
     default=None,
@@ -130,19 +138,24 @@ def tune(
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
     from rich.table import Table
 
-    from tunegen.tuning import host, presets
+    from tunegen.tuning import host, interrupt, presets
     from tunegen.tuning.tuner import TuneOptions
     from tunegen.tuning_db import TuningDbError
 
-    try:
-        models = [presets.preset(n) for n in preset_names] + [presets.parse_shape(s) for s in shapes]
-    except ValueError as exc:
-        raise click.BadParameter(str(exc)) from None
+    models = [_parsed(presets.preset, n, "--preset") for n in preset_names]
+    models += [_parsed(presets.parse_shape, s, "--shape") for s in shapes]
     if not models:
         models = [presets.preset("llama3-8b")]
+    _refuse_what_does_not_apply(family, causal, fp8)
     interpret = dry_run or not torch.cuda.is_available()
-    if fp8 and family not in ("prefill", "decode"):
-        raise click.BadParameter(f"FP8 applies to prefill and decode, not {family}", param_hint="--fp8")
+    if interpret and trials > presets.DRY_RUN_TRIALS:
+        if _given("trials"):
+            raise click.BadParameter(
+                f"a dry run (no GPU, or --dry-run) evaluates at most {presets.DRY_RUN_TRIALS} Variants "
+                f"per Problem, got {trials}",
+                param_hint="--trials",
+            )
+        trials = presets.DRY_RUN_TRIALS
     todo = presets.problems(
         models,
         dtype=presets.DTYPES[dtype],
@@ -157,10 +170,10 @@ def tune(
     console = Console(width=200)
     if interpret:
         todo = list(dict.fromkeys(presets.dry_run(p) for p in todo))
-        trials = min(trials, 4)
         console.print(
-            "[yellow]No GPU (or --dry-run): tuning tiny shapes under Triton's interpreter; "
-            "stored as backend 'interpreter', never used on a GPU.[/yellow]"
+            "[yellow]No GPU (or --dry-run): tuning tiny shapes under Triton's interpreter (at most "
+            f"{presets.DRY_RUN_TRIALS} trials per Problem); stored as backend 'interpreter', never used "
+            "on a GPU.[/yellow]"
         )
     try:
         ranks = _ranks(gpus, interpret)
@@ -214,6 +227,13 @@ def tune(
             outcomes = host.tune_on(todo, ranks, options, report, finished)
         except (TuningDbError, ValueError, host.HostError) as exc:
             raise click.ClickException(str(exc)) from None
+        except interrupt.Interrupted as exc:
+            stopped = click.ClickException(
+                f"stopped by {exc.name}: the trials this run held are marked failed and queued again; "
+                "run the same command to resume"
+            )
+            stopped.exit_code = exc.exit_code
+            raise stopped from None
     first = next(iter(by_gpu))
     names = ", ".join(where.values()) if len(ranks) > 1 else first.name
     table = Table(title=f"tuned on {names} (Triton {first.triton_version})")
@@ -237,6 +257,43 @@ def tune(
             f"{o.wall_s:.0f} s",
         )
     console.print(table)
+
+
+def _given(name: str) -> bool:
+    """Whether the option `name` was given (on the command line or in the environment)."""
+    source = click.get_current_context().get_parameter_source(name)
+    return source not in (None, ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)
+
+
+def _parsed(parse: Callable[[str], Any], text: str, option: str) -> Any:
+    """`parse(text)`, its ValueError a usage error of `option`."""
+    try:
+        return parse(text)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc).split(": ", 1)[-1], param_hint=option) from None
+
+
+def _refuse_what_does_not_apply(family: str, causal: str, fp8: bool) -> None:
+    """Refuse options given for another family: their values would be silently ignored."""
+    if fp8 and family not in ("prefill", "decode"):
+        raise click.BadParameter(f"FP8 applies to prefill and decode, not {family}", param_hint="--fp8")
+    if family == "decode":
+        if _given("tokens"):
+            raise click.BadParameter("sets prefill batches; decode sweeps --batches", param_hint="--tokens")
+        if causal != "yes":
+            raise click.BadParameter(
+                f"decode is causal (the new token sees the whole cache), got {causal!r}",
+                param_hint="--causal",
+            )
+        return
+    if _given("batches"):
+        raise click.BadParameter(
+            f"applies to --family decode; {family} batches come from --tokens", param_hint="--batches"
+        )
+    if _given("page_size"):
+        raise click.BadParameter(
+            f"applies to --family decode (a paged KV cache), not {family}", param_hint="--page-size"
+        )
 
 
 def _ranks(spec: str | None, interpret: bool) -> list:

@@ -103,7 +103,7 @@ def test_cli_render_prints_the_source():
     assert "def attn_fwd(" in result.output and "diag = seqlen_k - seqlen_q" in result.output
     ast.parse(result.output)
     custom = CliRunner().invoke(
-        main, ["render", "prefill", "--gpu", "hopper", "--variant", '{"block_m": 64}']
+        main, ["render", "prefill", "--gpu", "hopper", "--variant", '{"block_m": 64, "schedule": "fa2"}']
     )
     assert "BLOCK_M = tl.constexpr(64)" in custom.output
     bad = CliRunner().invoke(main, ["render", "prefill", "--variant", '{"block_m": 65}'])

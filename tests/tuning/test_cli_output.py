@@ -17,7 +17,7 @@ from tunegen.cli.main import main
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET", "0") != "1", reason="dry runs run kernels under the interpreter"
 )
-DRY = ["tune", "--dry-run", "--shape", "4,2,32", "--seqlens", "512", "--causal", "no", "--workers", "1"]
+DRY = ["tune", "--dry-run", "--shape", "4,2,32", "--seqlens", "512", "--workers", "1"]
 
 
 def _quiet_invoke(args: list[str]):

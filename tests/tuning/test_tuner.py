@@ -208,7 +208,7 @@ def test_cli_tune_dry_run(tmp_path):
     listed = CliRunner().invoke(main, ["list", "--db", url, "--format", "json"])
     assert '"family": "prefill"' in listed.output
     bad = CliRunner().invoke(main, ["tune", "--db", url, "--preset", "llama9", "--dry-run"])
-    assert bad.exit_code != 0 and "preset: expected one of" in bad.output
+    assert bad.exit_code == 2 and "--preset: expected one of" in bad.output
 
 
 def test_cli_tunes_the_decode_family_on_a_paged_cache(tmp_path):

@@ -25,6 +25,8 @@ from tunegen.kernels.database import database_url, open_store
 from tunegen.kernels.gpu import Gpu
 from tunegen.kernels.problem import Problem
 from tunegen.tuning import study as studies
+from tunegen.tuning.interrupt import Interrupted, blocked, raising
+from tunegen.tuning.options import MAX_SEED
 from tunegen.tuning.tuner import Outcome, TuneOptions, Tuner
 
 # A rank that dies more often than this on one GPU stops the run (its GPU is likely unusable).
@@ -126,7 +128,7 @@ def _rank_main(rank: Rank, problems: list[Problem], options: TuneOptions, start:
         return conn.recv()
 
     try:
-        with Tuner(rank.gpu, options) as tuner:
+        with raising(), Tuner(rank.gpu, options) as tuner:
 
             def checkpoint(searched: int | None, more: bool) -> str:
                 conn.send(("ready", searched, more))
@@ -145,6 +147,8 @@ def _rank_main(rank: Rank, problems: list[Problem], options: TuneOptions, start:
                     return
             if start >= len(problems):
                 checkpoint(None, False)
+    except Interrupted as exc:  # its trials went back to the study as the Tuner closed
+        raise SystemExit(exc.exit_code) from None
     except Exception as exc:
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         raise SystemExit(1) from None
@@ -188,10 +192,11 @@ class _Host:
         options = dataclasses.replace(
             self.options,
             cpus=cores(state.position, len(self.states)),
-            seed=self.options.seed + state.position,
+            seed=(self.options.seed + state.position) % (MAX_SEED + 1),
         )
         args = (state.rank, self.problems, options, state.current, child)
-        with _environment("CUDA_VISIBLE_DEVICES", state.rank.visible):
+        # Signals wait until the rank can give its trials back (`raising` in _rank_main).
+        with _environment("CUDA_VISIBLE_DEVICES", state.rank.visible), blocked():
             state.process = self.context.Process(
                 target=_rank_main, args=args, name=f"tunegen-gpu{state.rank.index}"
             )
@@ -294,13 +299,21 @@ class _Host:
                         self._revive(state)
                         continue
                     self._handle(state, message)
-            return self.outcomes
-        finally:
-            self._stop()
+        except BaseException:
+            self._stop(terminate=True)
+            raise
+        self._stop(terminate=False)
+        return self.outcomes
 
-    def _stop(self) -> None:
+    def _stop(self, *, terminate: bool) -> None:
+        """Stop the ranks: those still running are told to stop, or with `terminate` (the run is
+        interrupted or failed) sent SIGTERM, on which each gives its trials back to the study and
+        exits; any still alive after 30 s are killed."""
         for state in self.states:
             if state.process is not None and state.process.is_alive():
+                if terminate:
+                    state.process.terminate()
+                    continue
                 with contextlib.suppress(OSError):
                     state.conn.send(("stop",))
         deadline = time.monotonic() + 30
@@ -321,8 +334,14 @@ def tune_on(
     finished: Callable[[Gpu, int, Outcome], None],
 ) -> dict[tuple[Gpu, int], Outcome]:
     """Tune every Problem on every GPU model among `ranks`; the Outcome of each (model, Problem
-    index). One rank on this process's own device runs here; more run one process per GPU."""
-    if len(ranks) == 1 and ranks[0].visible is None:
+    index). One rank on this process's own device runs here; more run one process per GPU.
+
+    SIGINT (Ctrl-C) or SIGTERM stops the run: every process gives the trials it holds back to the
+    study (failed, their Variants queued again) and exits, and `Interrupted` is raised here, so a
+    rerun resumes at once rather than after the heartbeat's grace period."""
+    with raising():
+        if len(ranks) > 1 or ranks[0].visible is not None:
+            return _Host(problems, ranks, options, progress, finished).run()
         gpu = ranks[0].gpu
         outcomes = {}
         with Tuner(gpu, dataclasses.replace(options, cpus=cores(0, 1))) as tuner:
@@ -331,4 +350,3 @@ def tune_on(
                 outcomes[(gpu, j)] = outcome
                 finished(gpu, j, outcome)
         return outcomes
-    return _Host(problems, ranks, options, progress, finished).run()

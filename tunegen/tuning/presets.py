@@ -28,6 +28,8 @@ PRESETS = {
     )
 }
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+# Variants a dry run evaluates per Problem at most: it checks the machinery, it finds no Winner.
+DRY_RUN_TRIALS = 4
 
 
 def preset(name: str) -> ModelPreset:
@@ -63,8 +65,14 @@ def problems(
     fp8: bool = False,
 ) -> list[Problem]:
     """Prefill Problems for each model, causal setting and sequence length, `tokens` per batch;
-    or decode Problems (one query token) for each model, batch size and cache length. With
-    `fp8`: FP8 prefill (bfloat16 output, whatever `dtype` says) or an FP8 KV cache."""
+    or decode Problems (one query token) for each model, batch size and cache length (paged with
+    `page_size` tokens a page, a multiple of 16; 0: contiguous). With `fp8`: FP8 prefill (bfloat16
+    output, whatever `dtype` says) or an FP8 KV cache."""
+    for name, values in (("seqlens", seqlens), ("batches", batches), ("tokens", (tokens,))):
+        if not values or min(values) < 1:
+            raise ValueError(f"{name}: expected positive integers, got {values!r}")
+    if page_size < 0 or page_size % 16:
+        raise ValueError(f"page_size: expected 0 or a positive multiple of 16, got {page_size!r}")
     out = []
     if family == "decode":
         for model in models:

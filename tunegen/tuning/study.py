@@ -197,7 +197,7 @@ class Heartbeat:
     def __init__(self, storage: optuna.storages.RDBStorage, interval_s: int) -> None:
         self._storage = storage
         self._interval = interval_s
-        self._held: set[int] = set()
+        self._held: dict[int, optuna.Study] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tunegen-heartbeat", daemon=True)
@@ -206,12 +206,12 @@ class Heartbeat:
     def hold(self, trial: optuna.Trial) -> None:
         """Beat for `trial` from now on (the first beat at once, before any claim is written)."""
         with self._lock:
-            self._held.add(trial._trial_id)
+            self._held[trial._trial_id] = trial.study
         self._storage.record_heartbeat(trial._trial_id)
 
     def release(self, trial: optuna.Trial) -> None:
         with self._lock:
-            self._held.discard(trial._trial_id)
+            self._held.pop(trial._trial_id, None)
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
@@ -223,6 +223,30 @@ class Heartbeat:
                 except Exception as exc:  # a busy database: the next beat tries again
                     log.debug("tunegen tune: heartbeat of trial %d not recorded: %s", trial_id, exc)
 
-    def close(self) -> None:
+    def abandon(self, trial: optuna.Trial) -> None:
+        """Give back a held trial this process will not finish (its worker was stopped): failed,
+        its Variant queued again, as `fail_stale` does for a dead process's, but at once. It stays
+        held until then: a Ctrl-C reaching the worker and this process together must find it
+        either given back or still held (and so given back by `close`), never neither."""
+        self._give_back(trial._trial_id, trial.study)
+        self.release(trial)
+
+    def _give_back(self, trial_id: int, study: optuna.Study) -> None:
+        try:
+            if self._storage.set_trial_state_values(trial_id, state=TrialState.FAIL):
+                _requeue(study, self._storage.get_trial(trial_id))
+        except optuna.exceptions.UpdateFinishedTrialError:
+            return  # concluded a moment ago
+        except Exception as exc:  # the database is unreachable: the grace period will do it
+            log.warning("tunegen tune: trial %d left to the heartbeat's grace: %s", trial_id, exc)
+
+    def close(self, *, abandon: bool = False) -> None:
+        """Stop beating. With `abandon` (this process stops without finishing its trials), give
+        back every trial it still holds (`abandon`): nobody waits out the grace period for them."""
         self._stop.set()
         self._thread.join()
+        if abandon:
+            with self._lock:
+                held, self._held = self._held, {}
+            for trial_id, study in held.items():
+                self._give_back(trial_id, study)

@@ -41,12 +41,15 @@ def _sync(payload: dict[str, Any]) -> None:
         torch.cuda.synchronize()
 
 
-def median_ms(fn: Callable[[], object], backend: str, rep_ms: float = 100.0) -> float:
-    """The GPU's median time of `fn` (the interpreter's wall clock: a functional stand-in only)."""
+def median_ms(
+    fn: Callable[[], object], backend: str, rep_ms: float = 100.0, impl: str | None = None
+) -> float:
+    """The GPU's median time of `fn`, which runs implementation `impl` (a peer's name, or None for
+    tunegen's: see `peers.pinned`); the interpreter's wall clock, a functional stand-in only."""
     if backend == "cuda":
         from tunegen.tuning.timing import median_ms as gpu_median_ms
 
-        return gpu_median_ms(fn, warmup_ms=25, rep_ms=rep_ms)
+        return gpu_median_ms(fn, warmup_ms=25, rep_ms=rep_ms, impl=impl)
     times = []
     for _ in range(3):
         start = time.perf_counter()
@@ -96,14 +99,14 @@ def peers_task(payload: dict[str, Any]) -> dict[str, Any]:
     best: tuple[float, str] | None = None
     for name, call in case.peers.items():
         try:
-            with peers.quiet():
+            with peers.quiet(), peers.pinned(name):
                 out = call()
                 _sync(payload)
         except Exception:  # this backend cannot run the inputs: no peer for this Problem
             continue
         if not case.peer_error(out) <= tolerance(problem):
             continue
-        ms = median_ms(call, payload["backend"])
+        ms = median_ms(call, payload["backend"], impl=name)
         if best is None or ms < best[0]:
             best = (ms, name)
     return {"status": "ok", "name": best[1] if best else None, "ms": best[0] if best else None}

@@ -35,6 +35,8 @@ from tunegen.kernels.problem import Problem
 from tunegen.kernels.render import template_hash
 from tunegen.kernels.variant import Variant
 from tunegen.tuning import study as studies
+from tunegen.tuning.interrupt import deferred
+from tunegen.tuning.options import TuneOptions
 from tunegen.tuning.timing import rate
 from tunegen.tuning.trial import compile_task, evaluate_task, peers_task
 from tunegen.tuning.workers import Worker, WorkerPool
@@ -44,26 +46,6 @@ FINALISTS = 3
 FINAL_REP_MS = 400.0
 # Rounds of waiting for other processes' trials, then evaluating the queued copies of abandoned ones.
 SETTLE_ROUNDS = 3
-
-
-@dataclasses.dataclass(frozen=True)
-class TuneOptions:
-    """How hard to search: evaluated trials per Problem, a time limit per Problem, the sampler;
-    compile workers; how long a trial may take; the heartbeat that tells a dead process's trials
-    from live ones (a trial not heard from for `grace_s` seconds is failed and queued again); and
-    the CPU cores to run on: the first for the timing worker alone (so compiles, which now run
-    while it times, do not delay its launches), the rest for the compile workers (None: any)."""
-
-    trials: int = 40
-    timeout: float | None = None
-    sampler: str = "tpe"
-    seed: int = 0
-    workers: int = 8
-    trial_timeout: float = 120.0
-    url: str | None = None
-    heartbeat_s: int = 10
-    grace_s: int = 60
-    cpus: tuple[int, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,15 +66,6 @@ class Tuner:
     """Tunes Problems on one Gpu; holds the worker processes and the database between Problems."""
 
     def __init__(self, gpu: Gpu, options: TuneOptions) -> None:
-        if options.sampler not in studies.SAMPLERS:
-            raise ValueError(f"sampler: expected one of {studies.SAMPLERS}, got {options.sampler!r}")
-        if options.trials < 1:
-            raise ValueError(f"trials: expected at least 1, got {options.trials}")
-        if not 0 < options.heartbeat_s < options.grace_s:
-            raise ValueError(
-                f"heartbeat_s, grace_s: expected 0 < heartbeat_s < grace_s, got {options.heartbeat_s}, "
-                f"{options.grace_s}"
-            )
         self.gpu = gpu
         self.options = options
         self.url = database_url(options.url)
@@ -109,18 +82,26 @@ class Tuner:
         self._studies: dict[Problem, optuna.Study] = {}
         self._peers: dict[Problem, dict[str, Any]] = {}
 
-    def close(self) -> None:
-        self._timing.shutdown(wait=True)
-        self.heartbeat.close()
-        self.pool.close()
-        self.timer.close()
-        self.store.close()
+    def close(self, *, abandon: bool = False) -> None:
+        """Stop the workers and the heartbeat, close the store. With `abandon` (this process stops
+        early: interrupted, or failing), work in flight is cut short, not awaited, and the trials
+        this process holds are failed and their Variants queued again at once, as the heartbeat
+        would do `grace_s` after a killed process's last beat."""
+        with deferred():  # a signal meanwhile would leave workers and threads behind
+            if abandon:
+                self.pool.kill()
+                self.timer.kill()
+            self._timing.shutdown(wait=True)
+            self.heartbeat.close(abandon=abandon)
+            self.pool.close()
+            self.timer.close()
+            self.store.close()
 
     def __enter__(self) -> Tuner:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        self.close(abandon=kind is not None)
 
     def _payload(self, problem: Problem, variant: Variant | None, seed: int) -> dict[str, Any]:
         return {
@@ -140,19 +121,20 @@ class Tuner:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         name = studies.study_name(self.gpu, problem, self.options.sampler)
         sampler = studies.make_sampler(self.options.sampler, self.options.seed, space)
-        try:
-            study = optuna.create_study(
-                study_name=name, storage=self.storage, sampler=sampler, direction="minimize"
-            )
-        except optuna.exceptions.DuplicatedStudyError:  # another process's, or an earlier run's
-            study = optuna.load_study(study_name=name, storage=self.storage, sampler=sampler)
-        else:  # this process made it: its first trial is the default Variant
-            default = family.default_variant(problem, self.gpu).as_dict()
-            params = choose(
-                family, space, lambda name, values: default[name] if default[name] in values else None
-            )
-            if None not in params.values():
-                study.enqueue_trial(params)
+        with deferred():  # a study made and not given its default would never get it
+            try:
+                study = optuna.create_study(
+                    study_name=name, storage=self.storage, sampler=sampler, direction="minimize"
+                )
+            except optuna.exceptions.DuplicatedStudyError:  # another process's, or an earlier run's
+                study = optuna.load_study(study_name=name, storage=self.storage, sampler=sampler)
+            else:  # this process made it: its first trial is the default Variant
+                default = family.default_variant(problem, self.gpu).as_dict()
+                params = choose(
+                    family, space, lambda name, values: default[name] if default[name] in values else None
+                )
+                if None not in params.values():
+                    study.enqueue_trial(params)
         self._studies[problem] = study
         return study
 
@@ -204,10 +186,11 @@ class Tuner:
                     break
                 if studies.claimed(study) >= opts.trials:
                     break
-                trial = studies.ask(study)
+                with deferred():  # a trial asked for is held before a signal can stop this process
+                    trial = studies.ask(study)
+                    self.heartbeat.hold(trial)
+                    trial.set_user_attr("owner", self.owner)
                 asked += 1
-                self.heartbeat.hold(trial)
-                trial.set_user_attr("owner", self.owner)
                 params = choose(family, space, trial.suggest_categorical)
                 variant, reason = self._screen(family, params, problem, study, trial, known_failures)
                 if reason is not None:
@@ -225,21 +208,27 @@ class Tuner:
                 return
             waiting = [*compiling, *([timing[0]] if timing else [])]
             done, _ = concurrent.futures.wait(waiting, return_when=concurrent.futures.FIRST_COMPLETED)
-            for future in done:
-                if future in compiling:
-                    trial, variant, payload = compiling.pop(future)
-                    if future.result()["status"] == "ok":
-                        ready.append((trial, variant, payload))
-                        continue
-                else:
-                    _, trial, variant = timing
-                    timing = None
-                if trial is None:
-                    self._peer_measured(study, problem, future.result())
-                else:
-                    self._conclude(study, problem, trial, variant, future.result())
-                if progress is not None:
-                    progress(self._progress(study, problem))
+            with deferred():  # results are told whole: a signal lands while waiting, not mid-write
+                self._take(study, problem, done, compiling, ready, timing, progress)
+            timing = None if timing is not None and timing[0] in done else timing
+
+    def _take(self, study, problem, done, compiling, ready, timing, progress) -> None:
+        """Tell the study what the `done` futures found: a compiled Variant goes to `ready`, a
+        timed one (or a failure) is concluded, the peers' time kept."""
+        for future in done:
+            if future in compiling:
+                trial, variant, payload = compiling.pop(future)
+                if future.result()["status"] == "ok":
+                    ready.append((trial, variant, payload))
+                    continue
+            else:
+                _, trial, variant = timing
+            if trial is None:
+                self._peer_measured(study, problem, future.result())
+            else:
+                self._conclude(study, problem, trial, variant, future.result())
+            if progress is not None:
+                progress(self._progress(study, problem))
 
     def _peer_measured(self, study: optuna.Study, problem: Problem, result: dict[str, Any]) -> None:
         """Keep the fastest peer's time (for the progress line and the Winner's record), and share
@@ -253,7 +242,11 @@ class Tuner:
         return self._peers.get(problem) or study.user_attrs.get("peer")
 
     def _conclude(self, study, problem, trial, variant, result) -> None:
-        """Tell the study a trial's verified time, or its failure (recorded, never retried)."""
+        """Tell the study a trial's verified time, or its failure (recorded, never retried); a
+        trial whose worker was stopped goes back to the study."""
+        if result["status"] == "stopped":
+            self.heartbeat.abandon(trial)
+            return
         if result["status"] == "ok":
             attrs = {"evaluated": True, "rel_err": result["rel_err"]}
             studies.conclude(study, trial, attrs, values=result["ms"])

@@ -13,14 +13,17 @@ from collections.abc import Callable
 from typing import Any
 
 from tunegen.kernels.render import interpreting
+from tunegen.tuning.interrupt import blocked, unblock
 
 Task = Callable[[dict[str, Any]], dict[str, Any]]
 
 
 def _serve(conn: Any) -> None:
-    # Ctrl-C reaches every process of the terminal: the parent stops the work, and a task cut
-    # short here must not be reported as the Variant's failure.
+    # Ctrl-C reaches every process of the terminal: the parent stops the work and ends this
+    # process. SIGTERM ends it (as multiprocessing does at exit); the parent then reports the task
+    # as stopped, never as the Variant's failure. Both were blocked while it started (Worker._start).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    unblock()
     while True:
         message = conn.recv()
         if message is None:
@@ -40,13 +43,14 @@ class Worker:
     def __init__(self, *, interpret: bool, cpus: tuple[int, ...] | None = None) -> None:
         self.interpret = interpret
         self.cpus = cpus
+        self._killed = False
         self._start()
 
     def _start(self) -> None:
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
         # The child reads TRITON_INTERPRET when it first imports Triton.
-        with interpreting(self.interpret):
+        with interpreting(self.interpret), blocked():
             self._process = context.Process(target=_serve, args=(child,), daemon=True)
             self._process.start()
         if self.cpus and hasattr(os, "sched_setaffinity"):
@@ -54,7 +58,8 @@ class Worker:
         child.close()
 
     def call(self, task: Task, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
-        """Run `task(payload)` in the child; a death or overrun becomes a failed result."""
+        """Run `task(payload)` in the child; a death or overrun becomes a failed result, or one with
+        status "stopped" where the child was stopped (`kill`, or a SIGTERM): not the task's doing."""
         try:
             self._conn.send((task, payload))
             if self._conn.poll(timeout):
@@ -66,8 +71,10 @@ class Worker:
         code = self._process.exitcode
         if code is not None and code != 0:
             reason += f" (exit code {code})"
+        if self._killed:
+            return {"status": "stopped", "reason": "the tuning process is stopping"}
         self._restart()
-        return {"status": "error", "reason": reason}
+        return {"status": "stopped" if code == -signal.SIGTERM else "error", "reason": reason}
 
     def _restart(self) -> None:
         self._process.kill()
@@ -75,9 +82,16 @@ class Worker:
         self._conn.close()
         self._start()
 
+    def kill(self) -> None:
+        """End the child now, whatever it is doing: a task it runs returns at once, stopped, and
+        the child is not replaced."""
+        self._killed = True
+        self._process.kill()
+
     def close(self) -> None:
         try:
-            self._conn.send(None)
+            if not self._killed:
+                self._conn.send(None)
             self._process.join(5)
         except (OSError, BrokenPipeError):
             pass
@@ -115,6 +129,11 @@ class WorkerPool:
                 self._workers.put(worker)
 
         return self._threads.submit(run)
+
+    def kill(self) -> None:
+        """End every worker now (Worker.kill): the tasks they run return at once."""
+        for worker in self._all:
+            worker.kill()
 
     def close(self) -> None:
         self._threads.shutdown(wait=True)

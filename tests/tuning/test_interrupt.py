@@ -1,0 +1,208 @@
+"""Ctrl-C and SIGTERM: a tuning process (one process, or the host of `--gpus` and its ranks) gives
+the trials it holds back to the shared study before it exits (failed, their Variants queued again),
+exits with the signal's code and one line, and a rerun starts at once instead of waiting out the
+heartbeat's grace period."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import optuna
+import pytest
+import torch
+from conftest import NEEDS_GPU
+from optuna.trial import TrialState
+
+from tunegen.kernels.gpu import interpreter_gpu
+from tunegen.tuning.interrupt import Interrupted, deferred, raising
+from tunegen.tuning.presets import dry_run, parse_shape, problems
+from tunegen.tuning.study import evaluated, study_name
+from tunegen.tuning.tuner import TuneOptions, Tuner
+from tunegen.tuning.workers import Worker
+
+INTERPRETING = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET", "0") != "1", reason="tuner tests run kernels under the interpreter"
+)
+MAIN_THREAD = pytest.mark.skipif(
+    threading.current_thread() is not threading.main_thread(), reason="signals reach the main thread only"
+)
+GPU = interpreter_gpu()
+# The Problem `tunegen tune --dry-run --shape 4,2,32 --seqlens 512 --causal no` tunes.
+PROBLEM = dry_run(problems([parse_shape("4,2,32")], causal=(False,), seqlens=(512,))[0])
+TUNE = ["tune", "--dry-run", "--shape", "4,2,32", "--seqlens", "512", "--causal", "no", "--trials", "4"]
+
+
+def _wait_for_signal() -> None:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+@MAIN_THREAD
+def test_signals_raise_once_after_deferred_sections_and_are_restored():
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Interrupted) as caught, raising():
+        os.kill(os.getpid(), signal.SIGTERM)
+        _wait_for_signal()
+    assert caught.value.name == "SIGTERM" and caught.value.exit_code == 128 + signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is before, "the previous handler is back"
+    steps = []
+    with pytest.raises(Interrupted, match="SIGINT"), raising():
+        with deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)
+            steps.append("section finished")
+        steps.append("after the section")
+    assert steps == ["section finished"], "the signal waited for the section's end, then stopped it"
+    with raising():  # once raised, a second signal does not cut the cleanup short
+        with pytest.raises(Interrupted):
+            os.kill(os.getpid(), signal.SIGINT)
+            _wait_for_signal()
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)
+
+
+@MAIN_THREAD
+def test_a_signal_the_process_was_told_to_ignore_stays_ignored():
+    before = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        with raising():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.2)
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def _hang(_payload):
+    time.sleep(60)
+
+
+def test_a_stopped_worker_is_not_the_variants_failure():
+    """A worker given SIGTERM from outside (a SIGTERM to the whole process group) is replaced, and
+    its task reported as stopped; one the tuner kills as it stops returns at once, not replaced."""
+    worker = Worker(interpret=True)
+    try:
+        pid = worker._process.pid
+        threading.Timer(2.0, os.kill, (pid, signal.SIGTERM)).start()
+        result = worker.call(_hang, {}, timeout=60)
+        assert result["status"] == "stopped" and "exit code -15" in result["reason"], result
+        assert worker._process.pid != pid, "replaced"
+        pid = worker._process.pid
+        threading.Timer(2.0, worker.kill).start()
+        start = time.monotonic()
+        result = worker.call(_hang, {}, timeout=60)
+        assert time.monotonic() - start < 30 and result["status"] == "stopped"
+        assert worker._process.pid == pid, "not replaced: the tuner is stopping"
+    finally:
+        worker.close()
+
+
+def _trials(url, gpu, problem):
+    return optuna.load_study(study_name=study_name(gpu, problem, "tpe"), storage=url).trials
+
+
+def _held(url, gpu, problem) -> list[int]:
+    """Wait until the tuning process holds a trial it is evaluating; their numbers."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        try:
+            trials = _trials(url, gpu, problem)
+        except KeyError:  # the study is not created yet
+            continue
+        held = [t.number for t in trials if t.state == TrialState.RUNNING and "variant" in t.user_attrs]
+        if held:
+            return held
+    raise AssertionError("the tuning process never held a trial")
+
+
+def _interrupt_and_rerun(url, gpu, problem, args, signum, group) -> None:
+    """Run `tunegen tune ARGS` until it holds a trial, send `signum` (to its process group, as a
+    terminal's Ctrl-C does, or to it alone), check what it left, then rerun the Problem."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tunegen.cli.main", *args, "--db", url],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+        # A test runner may ignore SIGINT, and its children inherit that.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        held = _held(url, gpu, problem)
+        if group:
+            os.killpg(process.pid, signum)
+        else:
+            os.kill(process.pid, signum)
+        output, _ = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 128 + signum, output
+    name = signal.Signals(signum).name
+    assert f"Error: stopped by {name}: the trials this run held are marked failed" in output
+    assert "Traceback" not in output, output
+    trials = {t.number: t for t in _trials(url, gpu, problem)}
+    assert not [n for n, t in trials.items() if t.state == TrialState.RUNNING], "no trial left running"
+    abandoned = [n for n in held if not evaluated(trials[n])]
+    assert abandoned, f"a held trial was cut short: {held}"
+    for number in abandoned:
+        assert trials[number].state == TrialState.FAIL
+        (retry,) = [t for t in trials.values() if t.user_attrs.get("retry_of") == number]
+        assert retry.state == TrialState.WAITING, "its Variant is queued again"
+    # Trials enough for every queued Variant; a trial left running would hold the rerun for 900 s.
+    target = sum(1 for t in trials.values() if evaluated(t) or t.state == TrialState.WAITING)
+    options = TuneOptions(trials=target, workers=2, url=url, heartbeat_s=10, grace_s=900)
+    start = time.monotonic()
+    with Tuner(gpu, options) as tuner:
+        outcome = tuner.tune(problem)
+    assert time.monotonic() - start < 300, "the rerun did not wait for the grace period"
+    assert outcome.winner is not None
+    trials = {t.number: t for t in _trials(url, gpu, problem)}
+    assert not [n for n, t in trials.items() if t.state in (TrialState.RUNNING, TrialState.WAITING)]
+    for number in abandoned:
+        (retry,) = [t for t in trials.values() if t.user_attrs.get("retry_of") == number]
+        assert retry.user_attrs.get("variant") == trials[number].user_attrs["variant"]
+
+
+@INTERPRETING
+@pytest.mark.parametrize(
+    ("signum", "ranks", "group"),
+    [
+        (signal.SIGINT, [], True),
+        (signal.SIGINT, ["--gpus", "2"], True),
+        (signal.SIGTERM, ["--gpus", "2"], False),
+    ],
+    ids=["ctrl-c", "ctrl-c-two-ranks", "sigterm-to-the-host"],
+)
+def test_an_interrupted_tune_gives_its_trials_back(tmp_path, signum, ranks, group):
+    """Ctrl-C reaches every process of the terminal's group; a SIGTERM to the host alone is
+    passed on to its ranks. Either way nothing is left running, each held Variant is queued again,
+    and a rerun whose grace period is long finishes without waiting for it."""
+    url = f"sqlite:///{tmp_path / 'tune.db'}"
+    args = [*TUNE, "--workers", "2", *ranks]
+    _interrupt_and_rerun(url, GPU, PROBLEM, args, signum, group)
+
+
+@pytest.mark.gpu
+@NEEDS_GPU
+@pytest.mark.parametrize(
+    ("signum", "ranks", "group"),
+    [(signal.SIGINT, [], True), (signal.SIGTERM, ["--gpus", "1"], False)],
+    ids=["ctrl-c", "sigterm-to-the-host-of-one-rank"],
+)
+def test_an_interrupted_gpu_tune_gives_its_trials_back(tmp_path, signum, ranks, group):
+    """The same on a GPU, its compile and timing workers cut short mid-trial."""
+    from tunegen.kernels.gpu import cuda_gpu
+
+    url = f"sqlite:///{tmp_path / 'tune.db'}"
+    problem = problems([parse_shape("4,2,64")], causal=(False,), seqlens=(1024,))[0]
+    args = ["tune", "--shape", "4,2,64", "--seqlens", "1024", "--causal", "no", "--trials", "8"]
+    gpu = cuda_gpu(torch.cuda.current_device())
+    _interrupt_and_rerun(url, gpu, problem, [*args, "--workers", "2", *ranks], signum, group)
