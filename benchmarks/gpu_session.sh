@@ -11,6 +11,7 @@
 #   bash benchmarks/gpu_session.sh fp8          # FP8 tests, the sweep, bench fp8 in short runs, accuracy
 #   bash benchmarks/gpu_session.sh multigpu     # on 2+ GPUs: tune --gpus all against --gpus 1, bench prefill/decode
 #   bash benchmarks/gpu_session.sh fair         # issue 27: the eager comparisons again, peers timed as tunegen is
+#   bash benchmarks/gpu_session.sh release      # issue 28: bench prefill D=128, this checkout against the one in .old
 set -uo pipefail
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
@@ -113,6 +114,20 @@ fair() {  # issue 27, on one H100 in under 8 minutes: every claim made from an e
     step fair-prefill tunegen bench prefill --seqlens 512,1024 --head-dims 64,128 \
         --impl tunegen,sdpa-cudnn,sdpa-flash -o "$OUT/fair_prefill.csv"
     python3 "$REPO/benchmarks/fair_summary.py" "$OUT"
+}
+
+release() {  # issue 28: after a change for other Triton releases, the D=128 prefill of this release
+    # against the checkout in $REPO/.old (`git archive <commit> | tar -x -C .old`), alternated
+    # twice, each run from its own source tree
+    local round tree
+    for round in 1 2; do
+        for tree in old new; do
+            local src=$REPO
+            [ "$tree" = old ] && src=$REPO/.old
+            step "prefill-$tree$round" env PYTHONPATH="$src" python3 -m tunegen.cli.main bench prefill \
+                --head-dims 128 --impl tunegen -o "$OUT/prefill_d128_$tree$round.csv"
+        done
+    done
 }
 
 tune() {

@@ -14,8 +14,11 @@ from tunegen.api import attention, attention_varlen, explain
 from tunegen.decode import decode_attention
 from tunegen.eager import FallbackError
 from tunegen.fp8_quantize import quantize_fp8
+from tunegen.kernels.releases import warn_if_unchecked
 from tunegen.kvcache import KVCache
 from tunegen.version import __version__
+
+warn_if_unchecked()
 
 __all__ = [
     "FallbackError",

@@ -69,7 +69,7 @@ def test_fa2_variants_keep_the_ws_knobs_at_their_defaults():
         (PROBLEM, interpreter_gpu(), "needs a Hopper GPU \\(sm_90\\), not Triton's interpreter"),
         (PROBLEM, dataclasses.replace(H100, name="A100", capability=(8, 0)), "not A100 \\(8, 0\\)"),
         (PROBLEM, dataclasses.replace(H100, capability=(10, 0)), "needs a Hopper GPU"),
-        (PROBLEM, dataclasses.replace(H100, triton_version="3.5.1"), "Triton >= 3.6's Gluon, not 3.5.1"),
+        (PROBLEM, dataclasses.replace(H100, triton_version="3.5.1"), "Triton >= 3.6, not 3.5"),
         (dataclasses.replace(PROBLEM, dtype="float32"), H100, "takes float16 or bfloat16"),
         (dataclasses.replace(PROBLEM, head_dim=96), H100, "takes head dims \\(64, 128\\), got 96"),
         (dataclasses.replace(PROBLEM, varlen=True), H100, "varlen takes 'fa2'"),

@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from tunegen.export.folders import staged
 from tunegen.export.provenance import provenance
 from tunegen.export.selection import Selected, Selection, Skipped
 from tunegen.kernels.compiler import TRITON_DTYPES
+from tunegen.kernels.releases import COMPILE_OPTIONS
 from tunegen.kernels.render import interpreting
 
 FORMAT = "tunegen-aot"
@@ -101,18 +103,22 @@ class OfflineDriver:
 
 @contextlib.contextmanager
 def _keeping_compiled(kept: list) -> Iterator[None]:
-    """Keep what triton.compile returns inside the block (triton.tools.compile writes only C)."""
+    """Keep what triton.compile returns inside the block (triton.tools.compile writes only C),
+    compiled with the options every launch pins (releases.COMPILE_OPTIONS)."""
     import triton
 
     compile_ = triton.compile
 
-    def keep(*args: Any, **kwargs: Any) -> Any:
-        kept.append(compile_(*args, **kwargs))
+    def keep(src: Any, target: Any = None, options: dict | None = None, **kwargs: Any) -> Any:
+        kept.append(compile_(src, target=target, options={**(options or {}), **COMPILE_OPTIONS}, **kwargs))
         return kept[-1]
 
     triton.compile = keep
     try:
-        yield
+        with warnings.catch_warnings():
+            # Triton 3.9 says its fusion default will change; the options above pin it.
+            warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
+            yield
     finally:
         triton.compile = compile_
 

@@ -16,6 +16,7 @@ import subprocess
 import tempfile
 from collections.abc import Sequence
 
+from tunegen.kernels.releases import COMPILE_OPTIONS
 from tunegen.kernels.render import Rendered, interpreting, load
 
 TRITON_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
@@ -68,7 +69,7 @@ def compile_for(job: CompileJob) -> CompileReport:
             if name.startswith("stride_") or types[name].startswith("*")
         ]
         attrs = {index: [["tt.divisibility", 16]] for index in aligned}
-        if getattr(kernel, "is_gluon", lambda: False)():  # Triton before Gluon has no such method
+        if kernel.is_gluon():
             from triton.experimental.gluon._runtime import GluonASTSource
 
             source = GluonASTSource(kernel, types, constexprs=constexprs, attrs=attrs)
@@ -80,7 +81,7 @@ def compile_for(job: CompileJob) -> CompileReport:
             "num_warps": module.NUM_WARPS,
             "num_stages": module.NUM_STAGES,
         }
-        options = dict(options)
+        options = {**COMPILE_OPTIONS, **options}
         if getattr(module, "MAXNREG", None) is not None:
             options["maxnreg"] = module.MAXNREG
         compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
@@ -108,7 +109,7 @@ def _resource_usage(cubin: bytes) -> tuple[int | None, int | None]:
                 text=True,
                 check=True,
             ).stdout
-        except (AttributeError, OSError, subprocess.CalledProcessError):  # no knobs before Triton 3.4
+        except (OSError, subprocess.CalledProcessError):
             return None, None
     usage = dict(re.findall(r"\b(REG|STACK|LOCAL):(\d+)", text))
     if "REG" not in usage:

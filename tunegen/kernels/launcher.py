@@ -9,7 +9,8 @@ arguments with the same key, computes only what changes (pointers, the scale) an
 compiled kernel's own launcher, `CompiledKernel.run`, with the grid and every other argument
 fixed. Everything that launches a kernel goes through here: dispatch, the tuner's timing,
 exported packages (which carry a copy of this module) and the interpreter (which takes Triton's
-ordinary path, as do Triton releases before 3.3 and `TUNEGEN_LAUNCH=generic`).
+ordinary path, as does `TUNEGEN_LAUNCH=generic`). Every launch compiles with the options that
+`releases.COMPILE_OPTIONS` pins.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from typing import Any
 
 import torch
 import triton
+
+from tunegen.kernels.releases import COMPILE_OPTIONS
 
 
 def _call_cache_size(text: str | None) -> int:
@@ -84,18 +87,12 @@ class Calls:
         self._items.clear()
 
 
-def _version(text: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in text.split(".")[:2] if part.isdigit())
-
-
 def direct_launches() -> bool:
-    """Whether kernels launch through their compiled launcher (`TUNEGEN_LAUNCH=generic`, the
-    interpreter and Triton before 3.3, whose compiled launcher took other arguments, say no)."""
+    """Whether kernels launch through their compiled launcher (`TUNEGEN_LAUNCH=generic` and the
+    interpreter say no)."""
     if os.environ.get("TUNEGEN_LAUNCH", "direct").lower() == "generic":
         return False
-    if os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes"):
-        return False
-    return _version(triton.__version__) >= (3, 3)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "on", "yes")
 
 
 def key_of(*args: Any) -> tuple:
@@ -123,6 +120,7 @@ def bound(
     clash = set(options) & set(getattr(kernel, "arg_names", ()))
     if clash:
         raise ValueError(f"options: {sorted(clash)} are parameters of the kernel; pass them in args")
+    options = {**COMPILE_OPTIONS, **options}
     if device.type != "cuda" or not direct_launches():
         return lambda *a: kernel[grid](*a, **options)
     index = _index(device)
@@ -134,8 +132,7 @@ def bound(
     run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
     stream = triton.runtime.driver.active.get_current_stream
     current = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
-    hooks = getattr(triton, "knobs", None)
-    hooks = hooks.runtime if hooks is not None else None
+    hooks = triton.knobs.runtime
 
     gx, gy, gz = grid3
 
@@ -144,9 +141,10 @@ def bound(
             with torch.cuda.device(index):
                 runner(*a)
             return
-        # Triton 3.6 keeps a chain of launch hooks, empty when no profiler has set one; with one
-        # set, Triton's own runner gives it the launch's metadata.
-        enter, leave = (hooks.launch_enter_hook, hooks.launch_exit_hook) if hooks is not None else (0, 0)
+        # Triton keeps a chain of launch hooks, empty when no profiler has set one (a plain
+        # function or None where a user assigned one); with one set, Triton's own runner gives
+        # it the launch's metadata.
+        enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
         quiet = enter is None or not getattr(enter, "calls", True)
         if quiet and (leave is None or not getattr(leave, "calls", True)):
             run(gx, gy, gz, stream(index), function, metadata, None, None, None, *a)
@@ -169,7 +167,7 @@ def resident_programs(kernel: Any, args: tuple, *, device: torch.device, **optio
         return INTERPRETER_PROGRAMS
     index = _index(device)
     with torch.cuda.device(index):
-        compiled = kernel.warmup(*args, grid=(1,), **options)
+        compiled = kernel.warmup(*args, grid=(1,), **{**COMPILE_OPTIONS, **options})
         compiled = compiled.result() if hasattr(compiled, "result") else compiled
         compiled[(1, 1, 1)]  # loads the binary, which fills in its register count
     props = torch.cuda.get_device_properties(index)

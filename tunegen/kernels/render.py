@@ -25,6 +25,7 @@ from typing import Any
 import jinja2
 import platformdirs
 
+from tunegen.kernels.releases import INSTALLED, Release
 from tunegen.kernels.variant import Variant
 
 
@@ -75,15 +76,19 @@ class Rendered:
         return f"tunegen_kernel_{self.family}_{self.digest}"
 
 
-def render(template: str, family: str, variant: Variant, features: dict[str, Any]) -> Rendered:
-    """Render `template` for one Variant and one set of Problem features."""
+def render(
+    template: str, family: str, variant: Variant, features: dict[str, Any], release: Release = INSTALLED
+) -> Rendered:
+    """Render `template` for one Variant and one set of Problem features, in the API of `release`
+    (the installed Triton's, which compiles it)."""
     header = [
         f"family: {family}",
         f"template: {template} (hash {template_hash(template)})",
         f"variant: {variant.to_json()}",
         "features: " + ", ".join(f"{k}={features[k]}" for k in sorted(features)),
+        f"triton: {release.name}",
     ]
-    source = _environment().get_template(template).render(v=variant, f=features, header=header)
+    source = _environment().get_template(template).render(v=variant, f=features, r=release, header=header)
     digest = hashlib.sha256(source.encode()).hexdigest()[:20]
     return Rendered(family=family, source=source, digest=digest)
 

@@ -8,7 +8,7 @@ import dataclasses
 from typing import Any, ClassVar
 
 from tunegen.kernels.families.operands import block_d, check_descriptors, dot_precision, load_paths
-from tunegen.kernels.families.prefill_ws import check_ws
+from tunegen.kernels.families.prefill_ws import check_ws, ws_constraint
 from tunegen.kernels.fp8 import SCALE_BLOCK
 from tunegen.kernels.gpu import Gpu
 from tunegen.kernels.problem import Problem
@@ -158,40 +158,27 @@ def _check_fp8(variant: PrefillVariant, problem: Problem, gpu: Gpu) -> None:
         )
 
 
-def _ws_constraint(variant: PrefillVariant, problem: Problem, gpu: Gpu) -> str | None:
-    """Schedule "ws" within the GPU's shared memory (every consumer's query and output tiles and
-    the K/V ring) and each consumer's registers: the float32 output and score tiles and the 16-bit
-    P tile of one warpgroup (two with overlap), plus 32 for the rest; an e4m3 P tile costs as
-    much (the conversion to the operand's layout holds it as 16-bit pairs). Calibrated on sm_90 compiles
-    with Triton 3.6 (cuobjdump, ptxas): within this bound nothing spills inside the key loop."""
-    d = problem.head_dim
-    size = 1 if problem.fp8 else 2  # bytes per element of Q, K and V; the output is 16-bit
-    tiles = variant.consumers * variant.block_m * (size + 2) + 2 * variant.num_stages * variant.block_n * size
-    smem = tiles * d + 1024
-    # An SM holds one block's maximum plus 1 KB that each resident block reserves.
-    limit = (gpu.smem_per_block + 1024) // variant.ctas_per_sm - 1024
-    if smem > limit:
-        return (
-            f"shared memory: needs about {smem} bytes, {gpu.name} has {limit} per block "
-            f"for {variant.ctas_per_sm} per SM"
-        )
-    p_tiles = 2 if variant.overlap else 1
-    tile = variant.block_m * d + variant.block_m * variant.block_n * (2 + p_tiles) // 2
-    registers = tile // 128 + 32
-    if registers > variant.consumer_regs:
-        return (
-            f"registers: about {registers} per consumer thread, {variant.consumer_regs} left by "
-            f"{variant.consumers} consumers and a producer of {variant.producer_regs}"
-        )
-    return None
+# The Hopper schedule's two overlapped consumers of 64 rows: part of most measured bests, and
+# within every checked release's register budget at head dims 64 and 128.
+_WS_TWO = PrefillVariant(schedule="ws", block_m=64, block_n=128, consumers=2, overlap=True)
 
 
 def _ws_default(problem: Problem, gpu: Gpu) -> PrefillVariant | None:
-    """The Hopper schedule's measured best per head dim, mask and length on an H100 (bf16:
-    benchmarks/results/prefill_ws_h100.md; FP8: fp8_h100.md), or None where it does not run or
-    FlashAttention-2's loop measured faster: head dim 64, causal, up to 2048 tokens (by 2-3%), and
-    Problems of less than one wave of 128-row tiles, where the schedule's machinery buys nothing
-    and its launch, which encodes four TMA descriptors, costs twice FA2's
+    """The Hopper schedule's measured best (`_ws_measured`) where the running release's register
+    budget admits it; where that release needs more registers than Triton 3.6, on which it was
+    measured, two overlapped consumers taking turns instead (the measured best elsewhere)."""
+    best = _ws_measured(problem, gpu)
+    if best is None or ws_constraint(best, problem, gpu) is None:
+        return best
+    return _WS_TWO.replace(pingpong=True, persistent=best.persistent)
+
+
+def _ws_measured(problem: Problem, gpu: Gpu) -> PrefillVariant | None:
+    """The Hopper schedule's measured best per head dim, mask and length on an H100 with Triton
+    3.6 (bf16: benchmarks/results/prefill_ws_h100.md; FP8: fp8_h100.md), or None where it does not
+    run or FlashAttention-2's loop measured faster: head dim 64, causal, up to 2048 tokens (by
+    2-3%), and Problems of less than one wave of 128-row tiles, where the schedule's machinery buys
+    nothing and its launch, which encodes four TMA descriptors, costs twice FA2's
     (benchmarks/results/launch_h100.md)."""
     try:
         check_ws(problem, gpu)
@@ -200,7 +187,7 @@ def _ws_default(problem: Problem, gpu: Gpu) -> PrefillVariant | None:
     if problem.batch * problem.num_heads_q * -(-problem.seqlen_q // 128) < gpu.sm_count:
         return None
     n = problem.seqlen_q
-    two = PrefillVariant(schedule="ws", block_m=64, block_n=128, consumers=2, overlap=True)
+    two = _WS_TWO
     pair = two.replace(block_n=64, consumers=1, ctas_per_sm=2)  # two one-consumer programs per SM
     if problem.fp8:  # benchmarks/results/fp8_h100.md (head dim 128; 64 takes the same, unmeasured)
         if problem.causal:
@@ -349,7 +336,7 @@ class PrefillFamily:
         if gpu.arch == "interpreter":
             return None
         if variant.schedule == "ws":
-            return _ws_constraint(variant, problem, gpu)
+            return ws_constraint(variant, problem, gpu)
         d = block_d(problem.head_dim, problem.fp8)
         size = 1 if problem.fp8 else 4 if problem.dtype == "float32" else 2
         smem = variant.block_m * d * size + variant.num_stages * 2 * variant.block_n * d * size

@@ -1,24 +1,31 @@
 """Where the prefill family's Hopper schedule ("ws", FlashAttention-3's warp-specialized loop in
-Gluon) runs: the GPU, the Triton version, and the inputs it was written for."""
+Gluon) runs: the GPU, the Triton release, the inputs it was written for, and the shared memory
+and registers a Variant of it needs."""
 
 from __future__ import annotations
 
+from tunegen.kernels import releases
 from tunegen.kernels.gpu import Gpu
 from tunegen.kernels.problem import Problem
+from tunegen.kernels.variant import Variant
 
 WS_HEAD_DIMS = (64, 128)
 
 
 def check_ws(problem: Problem, gpu: Gpu) -> None:
     """Where schedule "ws" runs: Hopper's wgmma and TMA (sm_90; not the interpreter, which cannot
-    run Gluon), Gluon as of Triton 3.6, 16-bit or FP8 inputs whose rows TMA can address, head dims
+    run Gluon), Gluon as of Triton 3.6, 16-bit inputs or FP8 (at the head dims where the release
+    compiles it without spilling, `Release.ws_fp8_head_dims`) whose rows TMA can address, head dims
     its register budget was sized for, and dense batches (varlen takes schedule "fa2")."""
     if gpu.backend != "cuda" or gpu.capability != (9, 0):
         where = "Triton's interpreter" if gpu.backend == "interpreter" else f"{gpu.name} {gpu.capability}"
         raise ValueError(f"variant.schedule: 'ws' needs a Hopper GPU (sm_90), not {where}")
-    if _triton_version(gpu.triton_version) < (3, 6):
+    release = releases.of(gpu.triton_version)
+    release.require("ws")
+    if problem.fp8 and problem.head_dim not in release.ws_fp8_head_dims:
         raise ValueError(
-            f"variant.schedule: 'ws' is written for Triton >= 3.6's Gluon, not {gpu.triton_version}"
+            f"variant.schedule: 'ws' takes no FP8 at head dim {problem.head_dim} on Triton {release.name}, "
+            "which spills its e4m3 tiles there ('fa2' runs it)"
         )
     if problem.dtype not in ("float16", "bfloat16"):
         raise ValueError(f"variant.schedule: 'ws' takes float16 or bfloat16 inputs, got {problem.dtype}")
@@ -32,9 +39,35 @@ def check_ws(problem: Problem, gpu: Gpu) -> None:
         raise ValueError("variant.schedule: 'ws' loads by TMA, which needs 16-byte aligned bases and strides")
 
 
-def _triton_version(text: str) -> tuple[int, int]:
-    try:
-        major, minor = text.split(".")[:2]
-        return int(major), int(minor)
-    except ValueError:
-        return (0, 0)
+def ws_tile_registers(variant: Variant, head_dim: int) -> int:
+    """Registers per consumer thread of schedule "ws" that its tiles hold: the float32 output and
+    score tiles and the 16-bit P tile of one warpgroup (two with overlap); an e4m3 P tile costs as
+    much (the conversion to the operand's layout holds it as 16-bit pairs)."""
+    p_tiles = 2 if variant.overlap else 1
+    return (variant.block_m * head_dim + variant.block_m * variant.block_n * (2 + p_tiles) // 2) // 128
+
+
+def ws_constraint(variant: Variant, problem: Problem, gpu: Gpu) -> str | None:
+    """Schedule "ws" within the GPU's shared memory (every consumer's query and output tiles and
+    the K/V ring) and each consumer's registers: its tiles (`ws_tile_registers`) plus the spare
+    registers the release needs for the rest (`Release.ws_spare_registers`, calibrated on sm_90
+    compiles of each checked release by benchmarks/ws_registers.py: within the bound, ptxas spills
+    at most 48 bytes per thread)."""
+    d = problem.head_dim
+    size = 1 if problem.fp8 else 2  # bytes per element of Q, K and V; the output is 16-bit
+    tiles = variant.consumers * variant.block_m * (size + 2) + 2 * variant.num_stages * variant.block_n * size
+    smem = tiles * d + 1024
+    # An SM holds one block's maximum plus 1 KB that each resident block reserves.
+    limit = (gpu.smem_per_block + 1024) // variant.ctas_per_sm - 1024
+    if smem > limit:
+        return (
+            f"shared memory: needs about {smem} bytes, {gpu.name} has {limit} per block "
+            f"for {variant.ctas_per_sm} per SM"
+        )
+    registers = ws_tile_registers(variant, d) + releases.of(gpu.triton_version).ws_spare_registers
+    if registers > variant.consumer_regs:
+        return (
+            f"registers: about {registers} per consumer thread, {variant.consumer_regs} left by "
+            f"{variant.consumers} consumers and a producer of {variant.producer_regs}"
+        )
+    return None

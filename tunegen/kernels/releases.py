@@ -1,0 +1,106 @@
+"""The Triton releases tunegen runs on, and everything that differs between them, in one place.
+
+Templates read a `Release` (as `r`) where a release renames an API; families read it for the
+register budgets their constraints were calibrated with; every launch and compile takes
+`COMPILE_OPTIONS`, so a kernel's numerics do not follow a release's defaults. A release outside
+`CHECKED` still runs, with a warning at import: nothing here was measured on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+
+import triton
+
+# The releases CI and the GPU suite run (pyproject.toml's range): 3.6 is the GPU machine's,
+# 3.7 the one torch 2.13 for CUDA pins, 3.9 the newest.
+CHECKED = ((3, 6), (3, 7), (3, 8), (3, 9))
+
+# Fused multiply-adds, as every release before 3.10 compiled by default and as every kernel was
+# verified and timed; 3.10 turns the default off (TRITON_DEFAULT_FP_FUSION).
+COMPILE_OPTIONS = {"enable_fp_fusion": True}
+
+# The oldest release of each schedule that needs more than the range's oldest (Gluon's Hopper
+# API as of 3.6); the others run on every release that runs tunegen.
+SCHEDULES = {"ws": (3, 6)}
+
+
+def version(text: str) -> tuple[int, int]:
+    """(major, minor) of a version string such as "3.9.0" or "3.7.1+git1234"; (0, 0) if unreadable."""
+    parts = text.split(".")[:2]
+    if len(parts) < 2 or not all(p.isdigit() for p in parts):
+        return (0, 0)
+    return int(parts[0]), int(parts[1])
+
+
+@dataclasses.dataclass(frozen=True)
+class Release:
+    """One Triton release as the templates and families see it."""
+
+    version: tuple[int, int]
+
+    @property
+    def name(self) -> str:
+        return f"{self.version[0]}.{self.version[1]}"
+
+    @property
+    def checked(self) -> bool:
+        return self.version in CHECKED
+
+    @property
+    def tma_load(self) -> str:
+        """Gluon's TMA copy into shared memory: `async_load` from 3.8 (3.9 removed the old name)."""
+        return "async_load" if self.version >= (3, 8) else "async_copy_global_to_shared"
+
+    @property
+    def tma_store(self) -> str:
+        """Gluon's TMA copy out of shared memory: `async_store` from 3.8."""
+        return "async_store" if self.version >= (3, 8) else "async_copy_shared_to_global"
+
+    @property
+    def ws_spare_registers(self) -> int:
+        """Registers per consumer thread of the Hopper schedule beyond its tiles (indices, row
+        statistics, barrier phases): within its tiles plus these, ptxas spills at most 32 bytes
+        on 3.6 to 3.8 and 48 on 3.9, which needs 16 more than the others to get there
+        (benchmarks/results/ws_registers.md)."""
+        return 48 if self.version >= (3, 9) else 32
+
+    @property
+    def ws_fp8_head_dims(self) -> tuple[int, ...]:
+        """Head dims at which the Hopper schedule takes FP8 inputs: 3.8 spills 100 to 200 bytes of
+        its e4m3 tiles at head dim 64 and 3.9 at 64 and 128, whatever registers are left
+        (benchmarks/results/ws_registers.md); FP8 takes FlashAttention-2's loop there."""
+        if self.version >= (3, 9):
+            return ()
+        return (128,) if self.version >= (3, 8) else (64, 128)
+
+    def require(self, schedule: str) -> None:
+        """Raise ValueError naming `schedule` if its templates need a newer release than this."""
+        oldest = SCHEDULES.get(schedule)
+        if oldest is not None and self.version < oldest:
+            raise ValueError(
+                f"variant.schedule: {schedule!r} is written for Triton >= {oldest[0]}.{oldest[1]}, "
+                f"not {self.name}"
+            )
+
+
+@functools.cache
+def of(text: str) -> Release:
+    """The Release of a version string (a Gpu's triton_version, say)."""
+    return Release(version(text))
+
+
+INSTALLED = of(triton.__version__)
+
+
+def warn_if_unchecked() -> None:
+    """Warn once that the installed release is outside the checked range (it still runs)."""
+    if not INSTALLED.checked:
+        low, high = CHECKED[0], CHECKED[-1]
+        warnings.warn(
+            f"tunegen is checked on Triton {low[0]}.{low[1]} to {high[0]}.{high[1]}; "
+            f"Triton {triton.__version__} is not among them, so its kernels are unverified there",
+            stacklevel=2,
+        )
