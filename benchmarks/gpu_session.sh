@@ -32,7 +32,7 @@ copy_tests() {  # the tests run from a copy: inside the checkout, tunegen resolv
 tests() {
     copy_tests
     step gpu-tests python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider /tmp/tunegen-tests
-    step aot-demo python3 "$REPO/benchmarks/aot_demo/run.py" --work /tmp/aot_demo
+    step aot-demo python3 "$REPO/tests/export/aot_demo/run.py" --work /tmp/aot_demo
 }
 
 bench() {
@@ -124,7 +124,7 @@ release() {  # issue 28: after a change for other Triton releases, the D=128 pre
         for tree in old new; do
             local src=$REPO
             [ "$tree" = old ] && src=$REPO/.old
-            step "prefill-$tree$round" env PYTHONPATH="$src" python3 -m tunegen.cli.main bench prefill \
+            step "prefill-$tree$round" env PYTHONPATH="$src:${PYTHONPATH:-}" python3 -m tunegen.cli.main bench prefill \
                 --head-dims 128 --impl tunegen -o "$OUT/prefill_d128_$tree$round.csv"
         done
     done
