@@ -12,6 +12,8 @@
 #   bash benchmarks/gpu_session.sh multigpu     # on 2+ GPUs: tune --gpus all against --gpus 1, bench prefill/decode
 #   bash benchmarks/gpu_session.sh fair         # issue 27: the eager comparisons again, peers timed as tunegen is
 #   bash benchmarks/gpu_session.sh release      # issue 28: bench prefill D=128, this checkout against the one in .old
+#   TRITON_SITE=/tmp/t39 bash benchmarks/gpu_session.sh other_tests other_bench
+#                                               # issue 28: the GPU legs on a Triton carried in, bench against the installed
 set -uo pipefail
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
@@ -128,6 +130,23 @@ release() {  # issue 28: after a change for other Triton releases, the D=128 pre
                 --head-dims 128 --impl tunegen -o "$OUT/prefill_d128_$tree$round.csv"
         done
     done
+}
+
+other_tests() {  # issue 28: the GPU legs on another Triton release, unpacked at $TRITON_SITE (the
+    # machines have only the one their torch pins), put before everything else on PYTHONPATH
+    copy_tests
+    step other-version env PYTHONPATH="$TRITON_SITE:${PYTHONPATH:-}" python3 -c \
+        "import torch, triton; print(torch.__version__, triton.__version__, triton.__file__)"
+    step other-gpu-tests env PYTHONPATH="$TRITON_SITE:${PYTHONPATH:-}" python3 -m pytest -q -m gpu -n 8 \
+        -p no:cacheprovider /tmp/tunegen-tests
+}
+
+other_bench() {  # issue 28: bench prefill D=128 on the installed Triton, then on the one at $TRITON_SITE
+    local round=${ROUND:-1}
+    step "prefill-installed$round" tunegen bench prefill --head-dims 128 --impl tunegen \
+        -o "$OUT/prefill_d128_installed$round.csv"
+    step "prefill-other$round" env PYTHONPATH="$TRITON_SITE:${PYTHONPATH:-}" tunegen bench prefill \
+        --head-dims 128 --impl tunegen -o "$OUT/prefill_d128_other$round.csv"
 }
 
 tune() {
