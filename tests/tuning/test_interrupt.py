@@ -103,6 +103,18 @@ def test_a_stopped_worker_is_not_the_variants_failure():
         worker.close()
 
 
+def test_a_worker_whose_host_is_gone_ends_quietly(capfd):
+    """A host stopped by a signal may close its end of the pipe before its exit ends the workers
+    (seen once under load): the worker ends without a traceback on the terminal."""
+    worker = Worker(interpret=True)
+    worker._killed = True  # close() sends nothing: the pipe just closes, as when the host dies
+    worker._conn.close()
+    worker._process.join(30)
+    assert worker._process.exitcode == 0
+    assert "Traceback" not in capfd.readouterr().err
+    worker.close()
+
+
 def _trials(url, gpu, problem):
     return optuna.load_study(study_name=study_name(gpu, problem, "tpe"), storage=url).trials
 

@@ -24,16 +24,21 @@ def _serve(conn: Any) -> None:
     # as stopped, never as the Variant's failure. Both were blocked while it started (Worker._start).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     unblock()
-    while True:
-        message = conn.recv()
-        if message is None:
-            return
-        task, payload = message
-        try:
-            result = task(payload)
-        except Exception as exc:  # report, and keep serving
-            result = {"status": "error", "reason": f"{type(exc).__name__}: {exc}"}
-        conn.send(result)
+    # A host stopped by a signal may close the pipe before its exit ends this process: that is
+    # the end of the work too, not an error to print.
+    try:
+        while True:
+            message = conn.recv()
+            if message is None:
+                return
+            task, payload = message
+            try:
+                result = task(payload)
+            except Exception as exc:  # report, and keep serving
+                result = {"status": "error", "reason": f"{type(exc).__name__}: {exc}"}
+            conn.send(result)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        return
 
 
 class Worker:
