@@ -26,6 +26,10 @@ CASES = [
     ("bfloat16", 192, True, True, False),
     ("float32", 128, True, False, True),
 ]
+# Local memory (spills) a kernel that compiled without spilling on Triton 3.6 may take on any
+# checked release; the kernels below that spill today (float32 prefill at head dim 128, the
+# backward's dK/dV pass at 80, 128 and 256) are reported by benchmarks/results/issue28_h100.md.
+SPILL_BOUND = 64
 
 
 def _job(gpu, problem, variant=None):
@@ -71,6 +75,12 @@ def test_default_variants_compile_and_oversized_ones_are_caught():
     for job, limit, report in zip(jobs, limits, reports, strict=False):
         assert report.error is None, (job.rendered.source.splitlines()[3], report.error)
         assert 0 < report.shared_bytes <= limit
+        assert report.local_bytes is not None
+        if job.dtype != "float32":
+            assert report.local_bytes <= SPILL_BOUND, (
+                job.rendered.source.splitlines()[3],
+                report.local_bytes,
+            )
     assert reports[-1].shared_bytes > TARGETS["hopper"].smem_per_block
 
 
@@ -99,6 +109,8 @@ def test_backward_kernels_compile_for_hopper():
     for job, report in zip(jobs, compile_many(jobs, workers=2), strict=True):
         assert report.error is None, (job.kernel, job.rendered.source.splitlines()[3], report.error)
         assert 0 < report.shared_bytes <= gpu.smem_per_block
+        if job.kernel != "dkdv":
+            assert report.local_bytes is not None and report.local_bytes <= SPILL_BOUND, job.kernel
 
 
 def test_fp8_variants_compile_for_hopper_with_e4m3_tensor_cores():
@@ -121,6 +133,7 @@ def test_fp8_variants_compile_for_hopper_with_e4m3_tensor_cores():
     for job, report in zip(jobs, reports, strict=True):
         assert report.error is None, (job.rendered.source.splitlines()[3], report.error)
         assert 0 < report.shared_bytes <= hopper.smem_per_block
+        assert report.local_bytes is not None and report.local_bytes <= SPILL_BOUND, report.local_bytes
     for variant, report in zip(variants, reports, strict=False):
         assert any(m.startswith("wgmma") and m.endswith(".e4m3.e4m3") for m in report.mma), report.mma
         assert any(m.endswith(".bf16.bf16") for m in report.mma) == (not variant.p_fp8), report.mma
@@ -158,7 +171,7 @@ def test_ws_variants_compile_for_sm90_with_wgmma_and_without_spilling():
     for (dtype, d, *_, variant), job, report in zip(admitted, jobs, reports, strict=True):
         assert report.error is None, (job.rendered.source.splitlines()[3], report.error)
         assert 0 < report.shared_bytes <= gpu.smem_per_block
-        assert report.local_bytes is not None and report.local_bytes <= 64, report.local_bytes
+        assert report.local_bytes is not None and report.local_bytes <= SPILL_BOUND, report.local_bytes
         operand, k = {"bfloat16": ("bf16", 16), "float16": ("f16", 16), "e4m3": ("e4m3", 32)}[dtype]
         for n in (variant.block_n, d):
             assert f"wgmma.mma_async.sync.aligned.m64n{n}k{k}.f32.{operand}.{operand}" in report.mma, (
