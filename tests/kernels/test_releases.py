@@ -13,6 +13,7 @@ import torch
 import triton
 
 from tunegen.kernels import dispatch, launcher, releases, snapshot
+from tunegen.kernels import render as render_module
 from tunegen.kernels.database import gpu_record
 from tunegen.kernels.families import prefill, prefill_ws
 from tunegen.kernels.gpu import Gpu
@@ -153,3 +154,17 @@ def test_fp8_on_the_hopper_schedule_is_refused_by_name_where_the_release_spills(
         else:
             with pytest.raises(ValueError, match=rf"'ws' takes no FP8 at head dim {d} on Triton 3\.\d"):
                 prefill.FAMILY.check_variant(WS, problem, gpu)
+
+
+def test_an_interpreter_that_cannot_run_the_kernels_says_why(monkeypatch):
+    """Triton 3.6's interpreter fails on numpy 2.4 with 'only 0-dimensional arrays can be
+    converted': loading a kernel for it names the fix instead."""
+    monkeypatch.setattr(releases, "INSTALLED", releases.of("3.6.0"))
+    assert releases.interpreter_problem("2.3.5") is None
+    assert "needs numpy below 2.4, not 2.4.6" in releases.interpreter_problem("2.4.6")
+    monkeypatch.setattr(releases, "INSTALLED", releases.of("3.7.1"))
+    assert releases.interpreter_problem("2.4.6") is None
+    monkeypatch.setattr(render_module, "interpreter_problem", lambda: "Triton 3.6's interpreter needs numpy")
+    rendered = render(prefill.FAMILY.template, "prefill", WS, prefill.FAMILY.features(PROBLEM, H100))
+    with pytest.raises(RuntimeError, match="interpreter needs numpy"):
+        render_module.load(rendered, interpret=True)

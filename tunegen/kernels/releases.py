@@ -94,12 +94,33 @@ def of(text: str) -> Release:
 INSTALLED = of(triton.__version__)
 
 
+def interpreter_problem(numpy_version: str | None = None) -> str | None:
+    """Why the installed Triton's interpreter cannot run tunegen's kernels here, or None: Triton
+    3.6's takes int() of the one-element arrays that hold its scalars, which numpy 2.4 refuses."""
+    if INSTALLED.version >= (3, 7):
+        return None
+    if numpy_version is None:
+        import numpy
+
+        numpy_version = numpy.__version__
+    if version(numpy_version) < (2, 4):
+        return None
+    return (
+        f"Triton {INSTALLED.name}'s interpreter needs numpy below 2.4, not {numpy_version}: "
+        "install 'numpy<2.4', or Triton 3.7 or newer"
+    )
+
+
+def checked_range() -> str:
+    """The checked releases as a person reads them: "3.6 to 3.9"."""
+    return f"{Release(CHECKED[0]).name} to {Release(CHECKED[-1]).name}"
+
+
 def warn_if_unchecked() -> None:
     """Warn once that the installed release is outside the checked range (it still runs)."""
     if not INSTALLED.checked:
-        low, high = CHECKED[0], CHECKED[-1]
         warnings.warn(
-            f"tunegen is checked on Triton {low[0]}.{low[1]} to {high[0]}.{high[1]}; "
-            f"Triton {triton.__version__} is not among them, so its kernels are unverified there",
+            f"tunegen is checked on Triton {checked_range()}; Triton {triton.__version__} is not "
+            "among them, so its kernels are unverified there",
             stacklevel=2,
         )

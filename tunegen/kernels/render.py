@@ -25,7 +25,7 @@ from typing import Any
 import jinja2
 import platformdirs
 
-from tunegen.kernels.releases import INSTALLED, Release
+from tunegen.kernels.releases import INSTALLED, Release, interpreter_problem
 from tunegen.kernels.variant import Variant
 
 
@@ -115,7 +115,10 @@ _LOAD_LOCK = threading.Lock()
 
 
 def load(rendered: Rendered, *, interpret: bool) -> ModuleType:
-    """Import the rendered module; Triton decides at import whether its kernels are interpreted."""
+    """Import the rendered module; Triton decides at import whether its kernels are interpreted
+    (a RuntimeError says why where the installed Triton's interpreter cannot run them)."""
+    if interpret and (problem := interpreter_problem()) is not None:
+        raise RuntimeError(problem)
     name = rendered.module_name + ("_interpreted" if interpret else "")
     with _LOAD_LOCK:
         module = sys.modules.get(name)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import triton
 
-from tunegen.kernels import snapshot
+from tunegen.kernels import releases, snapshot
 from tunegen.kernels.database import database_url, gpu_record, open_store, unusable
 from tunegen.kernels.dispatch import select
 from tunegen.kernels.gpu import Gpu, cuda_gpu, driver_version, interpreter_gpu
@@ -80,6 +80,8 @@ def report(url: str | None = None) -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "triton": triton.__version__,
+        "triton_checked": releases.INSTALLED.checked,
+        "interpreter": releases.interpreter_problem(),
         "cuda": torch.version.cuda,
         "driver": driver_version() if gpu.backend == "cuda" else None,
         "gpu": {
@@ -157,8 +159,12 @@ def render_text(r: dict[str, Any]) -> str:
     lines = [
         f"GPU        {gpu}",
         f"versions   python {r['python']}, torch {r['torch']}, triton {r['triton']}, CUDA {r['cuda']}",
-        f"database   {db['url']}",
     ]
+    if not r["triton_checked"]:
+        lines.append(f"           Triton: not a release tunegen is checked on ({releases.checked_range()})")
+    if r["interpreter"]:
+        lines.append(f"           interpreter: {r['interpreter']}")
+    lines.append(f"database   {db['url']}")
     if db["error"]:
         lines.append(f"           ERROR: {db['error']}")
     else:
