@@ -5,6 +5,7 @@ heartbeat's grace period."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -65,6 +66,22 @@ def test_signals_raise_once_after_deferred_sections_and_are_restored():
             _wait_for_signal()
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.2)
+
+
+@MAIN_THREAD
+def test_a_stopping_process_quiets_the_pool_log_until_it_is_done(caplog):
+    """Interrupted surfacing in SQLAlchemy's pool as it resets a connection in a finalizer is
+    logged there with a traceback before it is passed on (seen once under load): that log is
+    quiet while the process stops, and as it was afterwards."""
+    pool = logging.getLogger("sqlalchemy.pool")
+    level = pool.level
+    with raising():
+        with pytest.raises(Interrupted):
+            os.kill(os.getpid(), signal.SIGINT)
+            _wait_for_signal()
+        logging.getLogger("sqlalchemy.pool.impl.QueuePool").error("Exception during reset or similar")
+    assert "Exception during reset" not in caplog.text
+    assert pool.level == level
 
 
 @MAIN_THREAD

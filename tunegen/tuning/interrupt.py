@@ -7,6 +7,7 @@ signals only once they can handle them (`blocked`), never as a traceback halfway
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import threading
 from collections.abc import Iterator
@@ -14,6 +15,10 @@ from multiprocessing import resource_tracker
 from typing import Any
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# Interrupted can surface inside SQLAlchemy's pool as it resets a connection in a finalizer, which
+# logs it with a traceback and passes it on: once the process is stopping by request, that log
+# says nothing, so it is quieted until `raising()` ends.
+_POOL_LOG = logging.getLogger("sqlalchemy.pool")
 
 
 class Interrupted(KeyboardInterrupt):
@@ -40,14 +45,19 @@ class _State:
     raised = False  # Interrupted was raised: the process is stopping, later signals wait for it
 
 
+def _stop(signum: int) -> Interrupted:
+    _State.raised = True
+    _POOL_LOG.setLevel(logging.CRITICAL)
+    return Interrupted(signum)
+
+
 def _handler(signum: int, _frame: Any) -> None:
     if _State.raised:
         return
     if _State.depth:
         _State.pending = _State.pending or signum
         return
-    _State.raised = True
-    raise Interrupted(signum)
+    raise _stop(signum)
 
 
 @contextlib.contextmanager
@@ -61,6 +71,7 @@ def raising() -> Iterator[None]:
         yield
         return
     previous = {s: signal.getsignal(s) for s in SIGNALS}
+    pool_level = _POOL_LOG.level
     for s, handler in previous.items():
         if handler is not signal.SIG_IGN:
             signal.signal(s, _handler)
@@ -71,6 +82,7 @@ def raising() -> Iterator[None]:
         for s, handler in previous.items():
             signal.signal(s, handler)
         _State.depth, _State.pending, _State.raised = 0, None, False
+        _POOL_LOG.setLevel(pool_level)
 
 
 @contextlib.contextmanager
@@ -87,8 +99,7 @@ def deferred() -> Iterator[None]:
         _State.depth -= 1
         if not _State.depth and _State.pending is not None:
             signum, _State.pending = _State.pending, None
-            _State.raised = True
-            raise Interrupted(signum)
+            raise _stop(signum)
 
 
 @contextlib.contextmanager
