@@ -117,13 +117,13 @@ _LOAD_LOCK = threading.Lock()
 def load(rendered: Rendered, *, interpret: bool) -> ModuleType:
     """Import the rendered module; Triton decides at import whether its kernels are interpreted
     (a RuntimeError says why where the installed Triton's interpreter cannot run them)."""
-    if interpret and (problem := interpreter_problem()) is not None:
-        raise RuntimeError(problem)
     name = rendered.module_name + ("_interpreted" if interpret else "")
     with _LOAD_LOCK:
         module = sys.modules.get(name)
         if module is not None:
             return module
+        if interpret and (problem := interpreter_problem()) is not None:
+            raise RuntimeError(problem)
         path = write(rendered)
         spec = importlib.util.spec_from_file_location(name, path)
         assert spec is not None and spec.loader is not None
