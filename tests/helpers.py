@@ -8,7 +8,7 @@ import torch
 from conftest import NEEDS_GPU, NEEDS_INTERPRETER
 
 from tunegen.checks import is_aligned16
-from tunegen.eager import backend_for
+from tunegen.backends import backend_for
 from tunegen.kernels.database import gpu_record
 from tunegen.kernels.families import base, prefill
 from tunegen.kernels.gpu import gpu_of, interpreter_gpu

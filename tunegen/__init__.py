@@ -11,8 +11,8 @@ import tunegen.source_tree  # first: a clone run without installing finds its ro
 # isort: split
 import tunegen.ops  # noqa: F401  (registers torch.ops.tunegen.*)
 from tunegen.api import attention, attention_varlen, explain
+from tunegen.backends import FallbackError
 from tunegen.decode import decode_attention
-from tunegen.eager import FallbackError
 from tunegen.fp8_quantize import quantize_fp8
 from tunegen.kernels.releases import warn_if_unchecked
 from tunegen.kvcache import KVCache

@@ -8,17 +8,11 @@ from typing import Any
 
 import torch
 
-from tunegen import checks, fp8_attention
-from tunegen.backward import AttentionFunction, AttentionVarlenFunction
-from tunegen.eager import (
-    attention_eager,
-    attention_problem,
-    attention_varlen_eager,
-    backend_for,
-    varlen_problem,
-    wants_grad,
-)
-from tunegen.kernels import dispatch, fp8, quantize
+from tunegen import eager, fp8_attention, ops
+from tunegen.backends import wants_grad
+from tunegen.backward import AttentionFunction
+from tunegen.calls.prefill import PrefillCall
+from tunegen.kernels import dispatch
 from tunegen.kernels.families import get
 from tunegen.kernels.families.base import applicable
 from tunegen.kernels.gpu import gpu_of
@@ -53,25 +47,29 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwa
     kernel that call runs (with its log-sum-exp where autograd records, as the call keeps it for
     the backward). Builds the kernel if this is the first call for the Problem; runs none."""
     target, a = _bound(q, k, v, args, kwargs)
-    varlen = target is attention_varlen
-    causal = bool(a["causal"])
-    return_lse = bool(a["return_lse"]) or wants_grad(q, k, v)
-    descales = () if varlen else (a["q_descale"], a["k_descale"], a["v_descale"])
-    if not varlen and fp8_attention.requested(q, a["precision"], a["hadamard"], descales):
-        checked = fp8_attention.check_fp8(q, k, v, a["precision"], a["hadamard"], descales)
-        # 16-bit inputs: the layout tunegen.quantize_fp8 writes (allocated, not computed)
-        x = quantize.outputs(q, k, per_block=True) if checked is None else fp8.Fp8Inputs(q, k, v, *checked)
-        out = torch.empty(q.shape, device=q.device, dtype=torch.bfloat16)
-        problem = fp8_attention.fp8_problem(x, out, causal, bool(a["return_lse"]))
-    elif varlen:
+    common = {"causal": a["causal"], "scale": a["scale"], "strict": a["strict"]}
+    keep_lse = bool(a["return_lse"]) or wants_grad(q, k, v)
+    if target is attention_varlen:
         sizes = [a[n] for n in ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")]
-        checks.check_attention_varlen(q, k, v, *sizes, read_lengths=False)
-        problem = varlen_problem(q, k, v, q, sizes[0], sizes[2], sizes[3], causal, return_lse)
+        call = PrefillCall.packed(q, k, v, *sizes, return_lse=keep_lse, **common)
+    elif fp8_attention.requested(
+        q, a["precision"], a["hadamard"], [a[n] for n in fp8_attention.DESCALE_NAMES]
+    ):
+        call = fp8_attention.fp8_call(
+            q,
+            k,
+            v,
+            return_lse=a["return_lse"],
+            precision=a["precision"],
+            hadamard=a["hadamard"],
+            descales=[a[n] for n in fp8_attention.DESCALE_NAMES],
+            quantize_now=False,
+            **common,
+        )
     else:
-        checks.check_attention(q, k, v)
-        problem = attention_problem(q, k, v, q, causal, return_lse)
-    checks.check_scale(a["scale"], q.shape[-1])
-    backend = backend_for(q.device, a["strict"])
+        call = PrefillCall.dense(q, k, v, return_lse=keep_lse, **common)
+    problem = call.problem(call.outputs()[0])
+    backend = call.backend()
     if backend == "torch":
         return {
             "problem": problem.as_dict(),
@@ -141,8 +139,9 @@ def attention(
     `q_descale`, `k_descale`, `v_descale` (batch, kv_heads), None meaning 1 (q and k may also
     take one per 128 rows, see `tunegen.quantize_fp8`), and return bfloat16.
     """
-    if fp8_attention.requested(q, precision, hadamard, (q_descale, k_descale, v_descale)):
-        return fp8_attention.attention_fp8(
+    descales = (q_descale, k_descale, v_descale)
+    if fp8_attention.requested(q, precision, hadamard, descales):
+        call = fp8_attention.fp8_call(
             q,
             k,
             v,
@@ -152,18 +151,18 @@ def attention(
             strict=strict,
             precision=precision,
             hadamard=hadamard,
-            descales=(q_descale, k_descale, v_descale),
+            descales=descales,
         )
-    if torch.compiler.is_compiling():
-        checks.check_attention(q, k, v)
-        resolved = checks.check_scale(scale, q.shape[-1])
-        keep_lse = bool(return_lse) or wants_grad(q, k, v)
-        out, lse = torch.ops.tunegen.attention(q, k, v, bool(causal), resolved, keep_lse)
-        return (out, lse) if return_lse else out
-    if wants_grad(q, k, v):
-        out, lse = AttentionFunction.apply(q, k, v, bool(causal), scale, strict)
-        return (out, lse) if return_lse else out
-    return attention_eager(q, k, v, causal=causal, scale=scale, return_lse=return_lse, strict=strict)
+        return call.returned(*eager.run(call), return_lse)
+    grad = wants_grad(q, k, v)
+    key = None
+    if not grad and not torch.compiler.is_compiling():
+        key, fast = eager.lookup(q, k, v, causal, return_lse)
+        if fast is not None:
+            return fast(q, k, v, scale)
+    keep_lse = bool(return_lse) or grad
+    call = PrefillCall.dense(q, k, v, causal=causal, scale=scale, return_lse=keep_lse, strict=strict)
+    return _serve(call, bool(return_lse), grad, key)
 
 
 def attention_varlen(
@@ -188,38 +187,36 @@ def attention_varlen(
     `return_lse`, also returns the log-sum-exp (heads, total_q) in float32. Under torch.compile
     the call is the custom op `torch.ops.tunegen.attention_varlen`. Differentiable, as `attention`.
     """
-    if torch.compiler.is_compiling():
-        checks.check_attention_varlen(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, read_lengths=False
-        )
-        resolved = checks.check_scale(scale, q.shape[-1])
-        out, lse = torch.ops.tunegen.attention_varlen(
-            q,
-            k,
-            v,
-            cu_seqlens_q,
-            cu_seqlens_k,
-            max_seqlen_q,
-            max_seqlen_k,
-            bool(causal),
-            resolved,
-            bool(return_lse) or wants_grad(q, k, v),
-        )
-        return (out, lse) if return_lse else out
-    if wants_grad(q, k, v):
-        sizes = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        out, lse = AttentionVarlenFunction.apply(q, k, v, *sizes, bool(causal), scale, strict)
-        return (out, lse) if return_lse else out
-    return attention_varlen_eager(
+    grad = wants_grad(q, k, v)
+    compiling = torch.compiler.is_compiling()
+    capturing = (
+        isinstance(q, torch.Tensor) and q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    )
+    sizes = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    call = PrefillCall.packed(
         q,
         k,
         v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
+        *sizes,
         causal=causal,
         scale=scale,
-        return_lse=return_lse,
+        return_lse=bool(return_lse) or grad,
         strict=strict,
+        read_lengths=not (compiling or capturing),
     )
+    return _serve(call, bool(return_lse), grad, None)
+
+
+def _serve(
+    call: PrefillCall, return_lse: bool, grad: bool, key: tuple | None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Run a checked prefill call on its path: its custom op while torch.compile traces, the autograd
+    Function where autograd records (`grad`), the eager body otherwise (keeping the fast path under
+    `key`, see eager.lookup)."""
+    if torch.compiler.is_compiling():
+        out, lse = ops.through_op(call)
+    elif grad:
+        out, lse = AttentionFunction.apply(call.q, call.k, call.v, call)
+    else:
+        out, lse = eager.run(call, key)
+    return call.returned(out, lse, return_lse)

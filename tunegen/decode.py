@@ -2,220 +2,16 @@
 
 from __future__ import annotations
 
-import functools
 import os
+from collections.abc import Callable
 
 import torch
 
 from tunegen import checks
-from tunegen.eager import backend_for
-from tunegen.kernels import dispatch, fp8, launcher
+from tunegen.calls.decode import DecodeCall
+from tunegen.kernels import dispatch, launcher
 from tunegen.kernels.gpu import gpu_of
-from tunegen.kernels.problem import DTYPE_NAMES, Problem, bucket
-from tunegen.kernels.reference import attention_reference
-
-MAX_QUERY_TOKENS = 16
-
-
-def _int32(name: str, t: object, rank: int, what: str, device: torch.device) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor) or t.dim() != rank or t.dtype != torch.int32:
-        got = (
-            f"{t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-        )
-        raise ValueError(f"{name}: expected a {rank}-D int32 tensor {what}, got {got}")
-    if t.device != device:
-        raise ValueError(f"{name}: expected device {device} like q, got {t.device}")
-    if t.stride(-1) != 1:
-        raise ValueError(f"{name}: expected a unit last stride; call .contiguous() on it")
-    return t
-
-
-def check_decode(
-    q,
-    k_cache,
-    v_cache,
-    cache_seqlens,
-    k,
-    v,
-    block_table,
-    *,
-    read_lengths: bool,
-    k_descale=None,
-    v_descale=None,
-) -> None:
-    """Check decode inputs; with `read_lengths`, also that the lengths and pages fit the cache.
-    A float8_e4m3fn cache takes 16-bit queries and optional descales (batch, kv_heads)."""
-    q = checks.tensor_arg("q", q, 4, "(batch, nq, heads, head_dim)")
-    layout = (
-        "(pages, page_size, kv_heads, head_dim)"
-        if block_table is not None
-        else "(batch, slots, kv_heads, head_dim)"
-    )
-    fp8_cache = isinstance(k_cache, torch.Tensor) and k_cache.dtype == fp8.E4M3
-    cache_dtypes = (fp8.E4M3,) if fp8_cache else tuple(DTYPE_NAMES)
-    k_cache = checks.tensor_arg("k_cache", k_cache, 4, layout, cache_dtypes)
-    v_cache = checks.tensor_arg("v_cache", v_cache, 4, layout, cache_dtypes)
-    checks.same_as_q(q, {"k_cache": k_cache, "v_cache": v_cache}, dtype=not fp8_cache)
-    if fp8_cache and q.dtype == torch.float32:
-        raise ValueError("q: a float8_e4m3fn cache takes float16 or bfloat16 queries, got float32")
-    for name, descale in (("k_descale", k_descale), ("v_descale", v_descale)):
-        if descale is None:
-            continue
-        if not fp8_cache:
-            raise ValueError(f"{name}: descales apply to float8_e4m3fn caches; this cache is {k_cache.dtype}")
-        checks.descale_arg(name, descale, [(q.shape[0], k_cache.shape[2])], q.device)
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(
-            f"v_cache: expected shape {tuple(k_cache.shape)} like k_cache, got {tuple(v_cache.shape)}"
-        )
-    checks.heads(q.shape[2], k_cache.shape[2], v_cache.shape[2], k_name="k_cache", v_name="v_cache")
-    batch, nq = q.shape[0], q.shape[1]
-    if nq > MAX_QUERY_TOKENS:
-        raise ValueError(
-            f"q: decode takes at most {MAX_QUERY_TOKENS} query tokens, got {nq}; use tunegen.attention"
-        )
-    seqlens = _int32("cache_seqlens", cache_seqlens, 1, f"of {batch} lengths", q.device)
-    if seqlens.shape[0] != batch:
-        raise ValueError(
-            f"cache_seqlens: expected {batch} lengths (one per sequence), got {seqlens.shape[0]}"
-        )
-    if block_table is None:
-        if k_cache.shape[0] != batch:
-            raise ValueError(f"k_cache: expected batch {batch} like q, got {k_cache.shape[0]}")
-        capacity = k_cache.shape[1]
-    else:
-        table = _int32("block_table", block_table, 2, "(batch, max_pages)", q.device)
-        if table.shape[0] != batch:
-            raise ValueError(f"block_table: expected {batch} rows (one per sequence), got {table.shape[0]}")
-        page = k_cache.shape[1]
-        if page % 16:
-            raise ValueError(
-                f"k_cache: the page size (dimension 1) must be a positive multiple of 16, got {page}"
-            )
-        capacity = table.shape[1] * page
-    if (k is None) != (v is None):
-        raise ValueError("k, v: pass both new keys and new values, or neither")
-    n_new = 0
-    if k is not None:
-        for name, t in (("k", k), ("v", v)):
-            t = checks.tensor_arg(name, t, 4, "(batch, new_tokens, kv_heads, head_dim)")
-            checks.same_as_q(q, {name: t})
-            if t.shape[0] != batch or t.shape[2] != k_cache.shape[2]:
-                raise ValueError(
-                    f"{name}: expected (batch {batch}, new_tokens, kv_heads {k_cache.shape[2]}, head_dim), "
-                    f"got {tuple(t.shape)}"
-                )
-        if v.shape[1] != k.shape[1]:
-            raise ValueError(f"v: expected {k.shape[1]} new tokens like k, got {v.shape[1]}")
-        n_new = k.shape[1]
-        if n_new > capacity:
-            raise ValueError(f"k: {n_new} new tokens do not fit the cache's {capacity} slots per sequence")
-    if read_lengths:
-        fault = next(filter(None, _faults(k_cache, seqlens, block_table, n_new)), None)
-        if fault is not None:
-            raise ValueError(fault)
-
-
-def _faults(k_cache, cache_seqlens, block_table, n_new: int) -> list[str | None]:
-    """Per sequence, why its cache cannot be used (the argument, the sequence and the problem), or
-    None: a negative length, no room for its new tokens, or a page it uses outside the cache. The
-    kernels test the same on the device and give such a sequence NaN; this reads the lengths and
-    the block table back (a device-to-host copy), for check=True and the PyTorch path."""
-    lengths = cache_seqlens.tolist()
-    rows = [None] * len(lengths) if block_table is None else block_table.tolist()
-    capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
-    return [
-        _fault(b, length, row, n_new, capacity, k_cache.shape[0], k_cache.shape[1])
-        for b, (length, row) in enumerate(zip(lengths, rows, strict=True))
-    ]
-
-
-def _fault(b: int, length: int, row, n_new: int, capacity: int, num_pages: int, page: int) -> str | None:
-    """Why sequence b (its length, and its block table row or None) cannot be used, or None."""
-    if length < 0:
-        return f"cache_seqlens: sequence {b} has length {length}, expected 0 or more"
-    if length > capacity - n_new:
-        return (
-            f"cache_seqlens: sequence {b} needs {length + n_new} slots ({length} cached + {n_new} new), "
-            f"the cache holds {capacity}"
-        )
-    bad = [] if row is None else [p for p in row[: -(-(length + n_new) // page)] if not 0 <= p < num_pages]
-    if bad:
-        return f"block_table: sequence {b} names pages {bad}, outside the cache's pages 0..{num_pages - 1}"
-    return None
-
-
-def _problem(q, k_cache, cache_seqlens, block_table, causal, return_lse) -> Problem:
-    """The decode Problem; an e4m3 cache makes it an fp8 one (dtype stays the query's)."""
-    paged = block_table is not None
-    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
-    return Problem(
-        family="decode",
-        dtype=DTYPE_NAMES[q.dtype],
-        head_dim=q.shape[3],
-        causal=bool(causal),
-        num_heads_q=q.shape[2],
-        num_heads_kv=k_cache.shape[2],
-        batch=bucket(q.shape[0], floor=1),
-        seqlen_q=q.shape[1],
-        seqlen_k=bucket(capacity),
-        paged=paged,
-        page_size=k_cache.shape[1] if paged else 0,
-        fp8=k_cache.dtype == fp8.E4M3,
-        return_lse=bool(return_lse),
-        aligned=False,
-    )
-
-
-def _reference(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, scale, descales=()):
-    """The PyTorch path, with the kernels' promise: a sequence `_faults` names reads and writes
-    nothing and gets NaN (output and log-sum-exp); every other one gets its new tokens written in
-    place (quantized for an e4m3 cache, whose `descales` are (k_descale, v_descale)), then, once
-    all are written as the kernels do, attends in float32 over its gathered keys."""
-    batch, nq = q.shape[0], q.shape[1]
-    n_new = 0 if k is None else k.shape[1]
-    if descales and k is not None:
-        k, v = fp8.quantize_kv(k, descales[0]), fp8.quantize_kv(v, descales[1])
-    lengths = cache_seqlens.tolist()
-    faults = _faults(k_cache, cache_seqlens, block_table, n_new)
-    slots = [
-        None if fault else _slots(k_cache, block_table, b, n + n_new)
-        for b, (n, fault) in enumerate(zip(lengths, faults, strict=True))
-    ]
-    for b, at in enumerate(slots):
-        if at is not None and n_new:
-            new = (at[0][lengths[b] :], at[1][lengths[b] :])
-            k_cache[new] = k[b]
-            v_cache[new] = v[b]
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    lse = torch.full((batch, q.shape[2], nq), float("-inf"), device=q.device)
-    for b, at in enumerate(slots):
-        if at is None:
-            out[b], lse[b] = float("nan"), float("nan")
-            continue
-        if not len(at[0]):
-            continue
-        keys, values = k_cache[at].transpose(0, 1)[None], v_cache[at].transpose(0, 1)[None]
-        if descales:
-            keys = keys.float() * descales[0][b, None, :, None, None]
-            values = values.float() * descales[1][b, None, :, None, None]
-        o, s = attention_reference(
-            q[b].transpose(0, 1)[None], keys, values, causal=causal, scale=scale, compute_dtype=torch.float32
-        )
-        out[b] = o[0].transpose(0, 1)
-        lse[b] = s[0]
-    return out.to(q.dtype), lse
-
-
-def _slots(k_cache, block_table, b: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where sequence b's first `count` tokens lie in the cache, as index tensors (row, slot): its
-    own row of a contiguous cache, or the pages its block table names (checked by `_faults`)."""
-    positions = torch.arange(count, device=k_cache.device)
-    if block_table is None:
-        return torch.full_like(positions, b), positions
-    page = k_cache.shape[1]
-    return block_table[b, positions // page].long(), positions % page
-
+from tunegen.kernels.launch_args import DecodeArgs
 
 # TUNEGEN_CHECK=1 when tunegen is imported: every decode call checks its lengths and pages on the
 # host (read once: the environment is slow to read on every call).
@@ -225,17 +21,6 @@ CHECK = os.environ.get("TUNEGEN_CHECK", "0").lower() in ("1", "true", "on", "yes
 def checking(check: bool | None) -> bool:
     """Whether a call reads its lengths and pages back to check them: `check`, else CHECK."""
     return CHECK if check is None else bool(check)
-
-
-@functools.cache
-def _one(device: torch.device) -> torch.Tensor:
-    return torch.ones((1, 1), device=device, dtype=torch.float32)
-
-
-def _ones(batch: int, kv_heads: int, device: torch.device) -> torch.Tensor:
-    """The descales None stands for: read only, so one float of each device serves every call,
-    expanded (strides 0) to (batch, kv_heads)."""
-    return _one(device).expand(batch, kv_heads)
 
 
 def decode_attention(
@@ -286,70 +71,62 @@ def decode_attention(
             bool(causal),
             bool(return_lse),
         )
-        call = dispatch.fast_calls.get(key)
+        fast = dispatch.fast_calls.get(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable: the checks say what is wrong
-        key = call = None
-    if call is not None and not checking(check):
-        return call(q, k_cache, v_cache, cache_seqlens, block_table, k, v, k_descale, v_descale, scale)
+        key = fast = None
+    if fast is not None and not checking(check):
+        return fast(q, k_cache, v_cache, cache_seqlens, block_table, k, v, k_descale, v_descale, scale)
     capturing = (
         isinstance(q, torch.Tensor) and q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     )
-    check_decode(
+    call = DecodeCall.checked(
         q,
         k_cache,
         v_cache,
         cache_seqlens,
-        k,
-        v,
-        block_table,
-        read_lengths=checking(check) and not capturing,
+        k=k,
+        v=v,
+        block_table=block_table,
+        causal=causal,
+        scale=scale,
+        return_lse=return_lse,
+        strict=strict,
         k_descale=k_descale,
         v_descale=v_descale,
+        read_lengths=checking(check) and not capturing,
     )
-    resolved = checks.check_scale(scale, q.shape[-1])
-    fp8_cache = k_cache.dtype == fp8.E4M3
-    if backend_for(q.device, strict) == "torch":
-        descales = ()
-        if fp8_cache:
-            ones = _ones(q.shape[0], k_cache.shape[2], q.device)
-            descales = (ones if k_descale is None else k_descale, ones if v_descale is None else v_descale)
-        out, lse = _reference(
-            q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, resolved, descales
-        )
+    if call.backend() == "torch":
+        out, lse = call.fallback()
         return (out, lse) if return_lse else out
-    problem = _problem(q, k_cache, cache_seqlens, block_table, causal, return_lse)
-    kernel = dispatch.kernel_for(problem, gpu_of(q.device))
-    call = _bound_call(kernel, q, k_cache, return_lse, fp8_cache)
-    if key is not None and q.device.type == "cuda":
-        dispatch.fast_calls[key] = call
-    return call(q, k_cache, v_cache, cache_seqlens, block_table, k, v, k_descale, v_descale, scale)
+    kernel = dispatch.kernel_for(call.problem(), gpu_of(q.device))
+    out, lse = call.outputs()
+    args = call.args(out, lse)
+    if key is None or q.device.type != "cuda":
+        kernel.launch(args)
+    else:
+        bound = kernel.bind(args)
+        dispatch.fast_calls[key] = _fast(bound, call)
+        bound(args)
+    return (out, lse) if return_lse else out
 
 
-def _bound_call(kernel, q: torch.Tensor, k_cache: torch.Tensor, return_lse: bool, fp8_cache: bool):
-    """The checked call's body for every later call of its launch key: outputs, descale defaults,
-    the kernel's bound launch (bound on the first call)."""
-    launches = []
-    ones = _ones(q.shape[0], k_cache.shape[2], q.device) if fp8_cache else None
-    head_dim = q.shape[-1]
-    check_scale = checks.check_scale
-    empty_like = torch.empty_like
+def _fast(bound: Callable[[DecodeArgs], None], call: DecodeCall) -> Callable[..., object]:
+    """The whole of every later call with `call`'s launch key (see tunegen.kernels.launcher):
+    outputs, the descales None stands for, the bound launch."""
+    ones = call.descales[0] if call.descales is not None else None
+    fp8_cache, return_lse, head_dim = ones is not None, call.return_lse, call.q.shape[-1]
+    check_scale, empty_like, empty, f32 = checks.check_scale, torch.empty_like, torch.empty, torch.float32
 
-    def call(q, k_cache, v_cache, cache_seqlens, block_table, k, v, k_descale, v_descale, scale):
+    def fast(q, k_cache, v_cache, cache_seqlens, block_table, k, v, k_descale, v_descale, scale):
         out = empty_like(q)
-        lse = (
-            torch.empty((q.shape[0], q.shape[2], q.shape[1]), device=q.device, dtype=torch.float32)
-            if return_lse
-            else None
+        lse = empty((q.shape[0], q.shape[2], q.shape[1]), device=q.device, dtype=f32) if return_lse else None
+        args = DecodeArgs(
+            q, k_cache, v_cache, cache_seqlens, out, lse, check_scale(scale, head_dim), block_table, k, v
         )
-        scale = check_scale(scale, head_dim)
         if fp8_cache:
-            descales = (ones if k_descale is None else k_descale, ones if v_descale is None else v_descale)
-            args = (q, k_cache, v_cache, cache_seqlens, out, lse, scale, block_table, k, v, *descales)
-        else:
-            args = (q, k_cache, v_cache, cache_seqlens, out, lse, scale, block_table, k, v)
-        if not launches:
-            launches.append(kernel.bind(*args) if q.device.type == "cuda" else kernel.launch)
-        launches[0](*args)
+            args.k_descale = ones if k_descale is None else k_descale
+            args.v_descale = ones if v_descale is None else v_descale
+        bound(args)
         return (out, lse) if return_lse else out
 
-    return call
+    return fast

@@ -1,180 +1,66 @@
-"""What the public attention calls share: which path runs (`backend_for`, strict mode), the
-Problem key of a call, and the eager bodies (checks, dispatch, launch) that `attention`,
-`attention_varlen`, their autograd Functions and their custom ops all run."""
+"""The eager body of the prefill calls: a checked call (tunegen.calls.prefill) dispatched and
+launched, or served by the PyTorch reference; and the fast path of `attention`'s repeated calls.
+`attention`, `attention_varlen`, their autograd Function and their custom ops all run `run`."""
 
 from __future__ import annotations
 
-import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from tunegen import checks
+from tunegen.calls.prefill import PrefillCall
 from tunegen.kernels import dispatch, launcher
-from tunegen.kernels.gpu import gpu_of, interpreting
-from tunegen.kernels.problem import DTYPE_NAMES, Problem, bucket
-from tunegen.kernels.reference import attention_reference, attention_varlen_reference
+from tunegen.kernels.gpu import gpu_of
+from tunegen.kernels.launch_args import PrefillArgs
 
 
-class FallbackError(RuntimeError):
-    """Raised in strict mode when a call would not run a Triton kernel."""
+def run(call: PrefillCall, key: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The output and log-sum-exp (None unless `call.return_lse`) of `call`: the kernel dispatched
+    for its Problem, or where no Triton kernel runs, the PyTorch reference. On CUDA, with a `key`
+    (`attention`'s launch key, see `lookup`), later calls of that key take the fast path."""
+    backend = call.backend()
+    if backend == "torch":
+        out, lse = call.fallback()
+        return out, lse if call.return_lse else None
+    out, lse = call.outputs()
+    kernel = dispatch.kernel_for(call.problem(out), gpu_of(call.q.device))
+    args = call.args(out, lse)
+    if key is None or backend != "cuda":
+        kernel.launch(args)
+    else:
+        bound = kernel.bind(args)
+        dispatch.fast_calls[key] = _fast(bound, call)
+        bound(args)
+    return out, lse
 
 
-def backend_for(device: torch.device, strict: bool | None = None) -> str:
-    """Which path runs on `device`: "cuda" (compiled Triton), "interpreter" (Triton's interpreter
-    on CPU tensors, with TRITON_INTERPRET=1) or "torch" (the PyTorch reference, refused when strict)."""
-    if device.type == "cuda":
-        return "cuda"
-    if device.type == "cpu" and interpreting():
-        return "interpreter"
-    if strict is None:
-        strict = os.environ.get("TUNEGEN_STRICT", "0").lower() in ("1", "true", "on", "yes")
-    if strict:
-        raise FallbackError(
-            f"strict mode: no Triton kernel runs on {device.type} tensors "
-            "(use CUDA tensors, or CPU tensors with TRITON_INTERPRET=1)"
-        )
-    return "torch"
-
-
-def fallback_dtype(dtype: torch.dtype) -> torch.dtype:
-    """What the PyTorch fallback computes in: float32, or float64 for float64 inputs."""
-    return torch.float32 if dtype != torch.float64 else torch.float64
-
-
-def wants_grad(q: object, k: object, v: object) -> bool:
-    """Whether autograd records and q, k or v requires grad (about 0.3 µs; arguments that are not
-    tensors are left to the checks)."""
-    try:
-        return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    except AttributeError:
-        return False
-
-
-def attention_eager(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    causal: bool = False,
-    scale: float | None = None,
-    return_lse: bool = False,
-    strict: bool | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """The eager body of `attention`: checks, dispatch, launch.
+def lookup(q: object, k: object, v: object, causal: object, return_lse: object) -> tuple[tuple | None, Any]:
+    """`attention`'s launch key for these arguments, and the fast path kept under it or None.
 
     On CUDA, a call whose tensors match an earlier call's in everything the checks, the Problem
     and the launch depend on (shapes, strides, dtypes, devices, 16-byte alignment, flags) skips
-    all three and goes from one dict lookup to the compiled kernel's launch.
+    all three and goes from this lookup to the compiled kernel's launch. Arguments that are not
+    tensors, or not hashable, have no key (the checks say what is wrong with them).
     """
     try:
         key = (launcher.key_of(q, k, v), bool(causal), bool(return_lse))
-        call = dispatch.fast_calls.get(key)
-    except (AttributeError, TypeError):  # not tensors, or unhashable: the checks below say what is wrong
-        key = call = None
-    if call is not None:
-        out = torch.empty_like(q)
-        lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32) if return_lse else None
-        call(q, k, v, out, lse, checks.check_scale(scale, q.shape[-1]))
+    except (AttributeError, TypeError):
+        return None, None
+    return key, dispatch.fast_calls.get(key)
+
+
+def _fast(bound: Callable[[PrefillArgs], None], call: PrefillCall) -> Callable[..., object]:
+    """The whole of every later `attention` call with `call`'s launch key: outputs, the scale, the
+    bound launch (see tunegen.kernels.launcher)."""
+    return_lse, head_dim = call.return_lse, call.q.shape[-1]
+    check_scale, empty_like, empty, f32 = checks.check_scale, torch.empty_like, torch.empty, torch.float32
+
+    def fast(q, k, v, scale):
+        out = empty_like(q)
+        lse = empty(q.shape[:3], device=q.device, dtype=f32) if return_lse else None
+        bound(PrefillArgs(q, k, v, out, lse, check_scale(scale, head_dim)))
         return (out, lse) if return_lse else out
-    checks.check_attention(q, k, v)
-    scale = checks.check_scale(scale, q.shape[-1])
-    backend = backend_for(q.device, strict)
-    batch, heads, seqlen_q, _ = q.shape
-    if backend == "torch":
-        out, lse = attention_reference(
-            q, k, v, causal=causal, scale=scale, compute_dtype=fallback_dtype(q.dtype)
-        )
-        out = out.to(q.dtype)
-        return (out, lse.float()) if return_lse else out
-    out = torch.empty_like(q)
-    lse = torch.empty((batch, heads, seqlen_q), device=q.device, dtype=torch.float32) if return_lse else None
-    kernel = dispatch.kernel_for(attention_problem(q, k, v, out, causal, return_lse), gpu_of(q.device))
-    if backend == "cuda" and key is not None:
-        call = dispatch.fast_calls[key] = kernel.bind(q, k, v, out, lse, scale)
-        call(q, k, v, out, lse, scale)
-    else:
-        kernel.launch(q, k, v, out, lse, scale)
-    return (out, lse) if return_lse else out
 
-
-def attention_problem(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, causal: bool, return_lse: bool
-) -> Problem:
-    """The Problem a call of `attention` on these tensors is dispatched under (sizes bucketed)."""
-    return Problem(
-        family="prefill",
-        dtype=DTYPE_NAMES[q.dtype],
-        head_dim=q.shape[3],
-        causal=bool(causal),
-        num_heads_q=q.shape[1],
-        num_heads_kv=k.shape[1],
-        batch=bucket(q.shape[0], floor=1),
-        seqlen_q=bucket(q.shape[2]),
-        seqlen_k=bucket(k.shape[2]),
-        return_lse=bool(return_lse),
-        aligned=checks.is_aligned16(q, k, v, out),
-    )
-
-
-def varlen_problem(q, k, v, out, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, return_lse) -> Problem:
-    """The Problem a call of `attention_varlen` is dispatched under (batch and maxima bucketed)."""
-    return Problem(
-        family="prefill",
-        dtype=DTYPE_NAMES[q.dtype],
-        head_dim=q.shape[-1],
-        causal=bool(causal),
-        num_heads_q=q.shape[1],
-        num_heads_kv=k.shape[1],
-        batch=bucket(cu_seqlens_q.shape[0] - 1, floor=1),
-        seqlen_q=bucket(max_seqlen_q),
-        seqlen_k=bucket(max_seqlen_k),
-        varlen=True,
-        return_lse=bool(return_lse),
-        aligned=checks.is_aligned16(q, k, v, out),
-    )
-
-
-def attention_varlen_eager(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    *,
-    causal: bool = False,
-    scale: float | None = None,
-    return_lse: bool = False,
-    strict: bool | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """The eager body of `attention_varlen`: checks, dispatch, launch."""
-    capturing = (
-        q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if isinstance(q, torch.Tensor)
-        else False
-    )
-    checks.check_attention_varlen(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, read_lengths=not capturing
-    )
-    scale = checks.check_scale(scale, q.shape[-1])
-    backend = backend_for(q.device, strict)
-    if backend == "torch":
-        out, lse = attention_varlen_reference(
-            q,
-            k,
-            v,
-            cu_seqlens_q,
-            cu_seqlens_k,
-            causal=causal,
-            scale=scale,
-            compute_dtype=fallback_dtype(q.dtype),
-        )
-        out = out.to(q.dtype)
-        return (out, lse.float()) if return_lse else out
-    out = torch.empty_like(q)
-    lse = torch.empty((q.shape[1], q.shape[0]), device=q.device, dtype=torch.float32) if return_lse else None
-    problem = varlen_problem(q, k, v, out, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, return_lse)
-    kernel = dispatch.kernel_for(problem, gpu_of(q.device))
-    kernel.launch(q, k, v, out, lse, scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q)
-    return (out, lse) if return_lse else out
+    return fast

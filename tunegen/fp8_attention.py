@@ -8,11 +8,8 @@ from collections.abc import Sequence
 import torch
 
 from tunegen import checks, fp8_quantize
-from tunegen.eager import backend_for
-from tunegen.kernels import dispatch, fp8
-from tunegen.kernels.gpu import gpu_of
-from tunegen.kernels.problem import Problem, bucket
-from tunegen.kernels.reference import attention_reference
+from tunegen.calls.prefill import PrefillCall
+from tunegen.kernels import fp8, quantize
 
 PRECISIONS = (None, "fp8")
 DESCALE_NAMES = ("q_descale", "k_descale", "v_descale")
@@ -76,63 +73,42 @@ def check_fp8(q, k, v, precision, hadamard, descales) -> list[torch.Tensor] | No
     return None
 
 
-def _inputs(q, k, v, precision, hadamard, descales) -> tuple[fp8.Fp8Inputs, torch.dtype]:
-    """The e4m3 inputs with their descales, and the output dtype, after checking the arguments."""
-    checked = check_fp8(q, k, v, precision, hadamard, descales)
-    if checked is not None:
-        return fp8.Fp8Inputs(q, k, v, *checked), torch.bfloat16
-    rotate = True if hadamard is None else bool(hadamard)
-    return fp8_quantize.quantize_fp8(q, k, v, hadamard=rotate), q.dtype
-
-
-def fp8_problem(x: fp8.Fp8Inputs, out: torch.Tensor, causal: bool, return_lse: bool) -> Problem:
-    """The Problem an FP8 call on e4m3 inputs `x` into bf16 `out` is dispatched under."""
-    batch, heads, seqlen_q, head_dim = x.q.shape
-    return Problem(
-        family="prefill",
-        dtype="bfloat16",
-        head_dim=head_dim,
-        causal=bool(causal),
-        num_heads_q=heads,
-        num_heads_kv=x.k.shape[1],
-        batch=bucket(batch, floor=1),
-        seqlen_q=bucket(seqlen_q),
-        seqlen_k=bucket(x.k.shape[2]),
-        fp8=True,
-        return_lse=bool(return_lse),
-        aligned=checks.is_aligned16(x.q, x.k, out, x.v.transpose(2, 3) if fp8.is_k_major(x.v) else x.v),
-    )
-
-
-def attention_fp8(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+def fp8_call(
+    q: object,
+    k: object,
+    v: object,
     *,
-    causal: bool,
-    scale: float | None,
-    return_lse: bool,
+    causal: object,
+    scale: object,
+    return_lse: object,
     strict: bool | None,
-    precision: str | None,
-    hadamard: bool | None,
-    descales: Sequence[torch.Tensor | None],
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """`tunegen.attention` for FP8 calls: check, quantize if needed, dispatch the fp8 Problem."""
-    x, out_dtype = _inputs(q, k, v, precision, hadamard, descales)
-    scale = checks.check_scale(scale, q.shape[-1])
-    if backend_for(q.device, strict) == "torch":
-        values = [fp8.dequantize(t, s, torch.float32) for t, s in zip(x[:3], x[3:], strict=True)]
-        out, lse = attention_reference(*values, causal=causal, scale=scale, compute_dtype=torch.float32)
-    else:
-        batch, heads, seqlen_q = q.shape[:3]
-        out = torch.empty(q.shape, device=q.device, dtype=torch.bfloat16)
-        lse = (
-            torch.empty((batch, heads, seqlen_q), device=q.device, dtype=torch.float32)
-            if return_lse
-            else None
+    precision: object,
+    hadamard: object,
+    descales: Sequence[object],
+    quantize_now: bool = True,
+) -> PrefillCall:
+    """An FP8 call of `tunegen.attention`, checked, on e4m3 inputs: those given, with their
+    descales (None given as ones), or 16-bit inputs quantized here (rotated unless `hadamard` is
+    False; with `quantize_now` False, only their layout allocated, as `explain` needs)."""
+    checked = check_fp8(q, k, v, precision, hadamard, descales)
+    resolved = checks.check_scale(scale, q.shape[-1])
+    if checked is not None:
+        x, out_dtype = fp8.Fp8Inputs(q, k, v, *checked), torch.bfloat16
+    elif quantize_now:
+        x, out_dtype = (
+            fp8_quantize.quantize_fp8(q, k, v, hadamard=hadamard is None or bool(hadamard)),
+            q.dtype,
         )
-        problem = fp8_problem(x, out, causal, return_lse)
-        kernel = dispatch.kernel_for(problem, gpu_of(q.device))
-        kernel.launch(x.q, x.k, x.v, out, lse, scale, *x[3:])
-    out = out.to(out_dtype)
-    return (out, lse) if return_lse else out
+    else:
+        x, out_dtype = quantize.outputs(q, k, per_block=True), q.dtype
+    return PrefillCall(
+        x.q,
+        x.k,
+        x.v,
+        bool(causal),
+        resolved,
+        bool(return_lse),
+        strict,
+        descales=tuple(x[3:]),
+        out_dtype=out_dtype,
+    )

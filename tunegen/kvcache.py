@@ -12,7 +12,8 @@ import dataclasses
 import torch
 
 from tunegen import checks
-from tunegen.decode import check_decode, decode_attention
+from tunegen.calls.decode import check_decode
+from tunegen.decode import decode_attention
 from tunegen.kernels import fp8
 from tunegen.kernels.problem import DTYPE_NAMES
 

@@ -1,12 +1,21 @@
 """tunegen's functions as PyTorch custom ops (`torch.ops.tunegen.*`), with fake-tensor shapes,
 so `torch.compile(fullgraph=True)` traces a call as one opaque op instead of breaking the graph
-on its Python checks and dispatch; each forward op registers its backward op for autograd."""
+on its Python checks and dispatch; each forward op registers its backward op for autograd.
+
+An op takes tensors and plain values only; its body rebuilds the checked call
+(tunegen.calls.prefill) from them and runs the eager body; `through_op` calls the op for a call."""
 
 from __future__ import annotations
 
 import torch
 
 from tunegen import backward, eager
+from tunegen.calls.backward import BackwardCall
+from tunegen.calls.prefill import PrefillCall
+
+
+def _capturing(q: torch.Tensor) -> bool:
+    return q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 @torch.library.custom_op("tunegen::attention", mutates_args=())
@@ -14,10 +23,8 @@ def attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, return_lse: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """attention(); the log-sum-exp is a 0-element tensor unless asked for."""
-    if return_lse:
-        return eager.attention_eager(q, k, v, causal=causal, scale=scale, return_lse=True)
-    out = eager.attention_eager(q, k, v, causal=causal, scale=scale)
-    return out, q.new_empty(0, dtype=torch.float32)
+    out, lse = eager.run(PrefillCall.dense(q, k, v, causal=causal, scale=scale, return_lse=return_lse))
+    return out, lse if lse is not None else q.new_empty(0, dtype=torch.float32)
 
 
 @attention_op.register_fake
@@ -40,11 +47,19 @@ def attention_varlen_op(
     return_lse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """attention_varlen(); the log-sum-exp is a 0-element tensor unless asked for."""
-    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    if return_lse:
-        return eager.attention_varlen_eager(*args, causal=causal, scale=scale, return_lse=True)
-    out = eager.attention_varlen_eager(*args, causal=causal, scale=scale)
-    return out, q.new_empty(0, dtype=torch.float32)
+    sizes = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    call = PrefillCall.packed(
+        q,
+        k,
+        v,
+        *sizes,
+        causal=causal,
+        scale=scale,
+        return_lse=return_lse,
+        read_lengths=not _capturing(q),
+    )
+    out, lse = eager.run(call)
+    return out, lse if lse is not None else q.new_empty(0, dtype=torch.float32)
 
 
 @attention_varlen_op.register_fake
@@ -66,7 +81,8 @@ def attention_backward_op(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients (dq, dk, dv) of attention() from its output's and log-sum-exp's gradients."""
-    return backward.attention_backward_eager(dout, q, k, v, out, lse, dlse, causal=causal, scale=scale)
+    forward = PrefillCall.dense(q, k, v, causal=causal, scale=scale, return_lse=True)
+    return backward.gradients(BackwardCall.checked(forward, out, lse, dout, dlse))
 
 
 @attention_backward_op.register_fake
@@ -92,14 +108,33 @@ def attention_varlen_backward_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients (dq, dk, dv) of attention_varlen()."""
     sizes = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    return backward.attention_varlen_backward_eager(
-        dout, q, k, v, out, lse, dlse, *sizes, causal=causal, scale=scale
-    )
+    forward = PrefillCall.packed(q, k, v, *sizes, causal=causal, scale=scale, return_lse=True)
+    return backward.gradients(BackwardCall.checked(forward, out, lse, dout, dlse))
 
 
 @attention_varlen_backward_op.register_fake
 def _(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def through_op(call: PrefillCall) -> tuple[torch.Tensor, torch.Tensor]:
+    """`call` (checked, as traced) through its custom op: the output and log-sum-exp (a 0-element
+    tensor unless `call.return_lse`)."""
+    if call.varlen is None:
+        return torch.ops.tunegen.attention(call.q, call.k, call.v, call.causal, call.scale, call.return_lse)
+    x = call.varlen
+    return torch.ops.tunegen.attention_varlen(
+        call.q,
+        call.k,
+        call.v,
+        x.cu_seqlens_q,
+        x.cu_seqlens_k,
+        x.max_seqlen_q,
+        x.max_seqlen_k,
+        call.causal,
+        call.scale,
+        call.return_lse,
+    )
 
 
 def _keep_for_backward(ctx, inputs, output) -> None:

@@ -23,14 +23,12 @@ class Blocked(importlib.abc.MetaPathFinder):
 
 
 def problem_of(package, case):
-    """The Problem the package's own key functions give the call (what it looked up)."""
+    """The Problem the package's own checked calls give the call (what it looked up)."""
     a, kw = case["args"], case["kwargs"]
-    causal, lse = kw.get("causal", case["fn"] == "decode_attention"), kw.get("return_lse", False)
-    if case["fn"] == "attention":
-        return package.attention_problem(a[0], a[1], a[2], a[0], causal, lse)
-    if case["fn"] == "attention_varlen":
-        return package.varlen_problem(a[0], a[1], a[2], a[0], a[3], a[5], a[6], causal, lse)
-    return package.decode_problem(a[0], a[1], a[3], kw.get("block_table"), causal, lse)
+    if case["fn"] == "decode_attention":
+        return package.DecodeCall.checked(*a, **kw).problem()
+    call = (package.PrefillCall.dense if case["fn"] == "attention" else package.PrefillCall.packed)(*a, **kw)
+    return call.problem(call.outputs()[0])
 
 
 def main() -> None:
@@ -42,8 +40,11 @@ def main() -> None:
     package = importlib.import_module(name)
     results = []
     for case in torch.load(cases_path):
-        problem = problem_of(package, case)
-        entry = package.lookup(problem, package.gpu_of(case["args"][0].device))
+        try:
+            problem = problem_of(package, case)
+        except ValueError:  # a bad argument: the call below says so
+            problem = None
+        entry = problem and package.lookup(problem, package.gpu_of(case["args"][0].device))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
@@ -57,7 +58,7 @@ def main() -> None:
                 "warnings": [
                     w.category.__name__ for w in caught if not issubclass(w.category, DeprecationWarning)
                 ],
-                "problem": problem.as_dict(),
+                "problem": problem and problem.as_dict(),
                 "source": entry["source"] if entry else None,
                 "variant": entry["variant"] if entry else None,
             }

@@ -22,7 +22,7 @@ import torch
 import tunegen
 from export_cases import H100, TILED, cli, export, record
 from helpers import REL_TOL, assert_lse, rel_err
-from tunegen import decode
+from tunegen.calls import DecodeCall
 from tunegen.kernels import dispatch
 from tunegen.kernels.database import gpu_record
 from tunegen.kernels.families.decode import DecodeVariant
@@ -67,8 +67,7 @@ def cases(device: torch.device) -> list[dict]:
 def tunegen_problem(case: dict) -> dict:
     """The Problem tunegen keys the call under."""
     if case["fn"] == "decode_attention":
-        q, k_cache, _, seqlens = case["args"]
-        return decode._problem(q, k_cache, seqlens, None, True, True).as_dict()
+        return DecodeCall.checked(*case["args"], return_lse=True).problem().as_dict()
     return tunegen.explain(*case["args"], **case["kwargs"])["problem"]
 
 

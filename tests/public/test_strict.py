@@ -8,7 +8,7 @@ import torch
 
 import tunegen
 from helpers import REL_TOL, rel_err
-from tunegen.eager import backend_for
+from tunegen.backends import backend_for
 from tunegen.kernels.reference import attention_reference, attention_varlen_reference
 
 

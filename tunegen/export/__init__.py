@@ -39,9 +39,7 @@ def export(
     if fmt == "json":
         from tunegen.export.json_files import write_json
 
-        return ExportReport(
-            *write_json(store, output, gpu_name=gpu_name, families=families, replace=replace)
-        )
+        return ExportReport(*write_json(store, output, gpu_name=gpu_name, families=families, replace=replace))
     if fmt not in FORMATS:
         raise ValueError(f"format: expected one of {FORMATS}, got {fmt!r}")
     selection = select(store, gpu_name=gpu_name, families=families, allow_mixed_gpus=allow_mixed_gpus)

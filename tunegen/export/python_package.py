@@ -23,14 +23,8 @@ SERVED = ("prefill", "decode")
 
 # What the loader uses from tunegen: (module, name, the name the loader calls it).
 LIBRARY = (
-    ("tunegen.eager", "FallbackError", "FallbackError"),
-    ("tunegen.eager", "fallback_dtype", "fallback_dtype"),
-    ("tunegen.eager", "attention_problem", "attention_problem"),
-    ("tunegen.eager", "varlen_problem", "varlen_problem"),
-    ("tunegen.eager", "backend_for", "backend_for"),
-    ("tunegen.checks", "check_attention", "check_attention"),
-    ("tunegen.checks", "check_attention_varlen", "check_attention_varlen"),
-    ("tunegen.checks", "check_scale", "check_scale"),
+    ("tunegen.backends", "FallbackError", "FallbackError"),
+    ("tunegen.calls.prefill", "PrefillCall", "PrefillCall"),
     ("tunegen.kernels.database", "gpu_record", "gpu_record"),
     ("tunegen.kernels.dispatch", "NEAREST_MAX_DISTANCE", "NEAREST_MAX_DISTANCE"),
     ("tunegen.kernels.dispatch", "StaleWinnerWarning", "StaleWinnerWarning"),
@@ -39,8 +33,6 @@ LIBRARY = (
     ("tunegen.kernels.gpu", "Gpu", "Gpu"),
     ("tunegen.kernels.gpu", "gpu_of", "gpu_of"),
     ("tunegen.kernels.problem", "Problem", "Problem"),
-    ("tunegen.kernels.reference", "attention_reference", "attention_reference"),
-    ("tunegen.kernels.reference", "attention_varlen_reference", "attention_varlen_reference"),
     ("tunegen.kernels.render", "interpreting", "interpreting"),
     ("tunegen.tuning_db.records", "GpuRecord", "GpuRecord"),
     ("tunegen.tuning_db.records", "features_key", "features_key"),
@@ -50,10 +42,8 @@ LIBRARY = (
 KERNEL_IMPORT = "from tunegen.kernels import launcher\n"
 LAUNCHER = ("tunegen.kernels.launcher", ("bound", "key_of", "memoized", "rebased", "stream_of", "workspace"))
 DECODE_LIBRARY = (
+    ("tunegen.calls.decode", "DecodeCall", "DecodeCall"),
     ("tunegen.decode", "checking", "checking"),
-    ("tunegen.decode", "_problem", "decode_problem"),
-    ("tunegen.decode", "_reference", "decode_reference"),
-    ("tunegen.decode", "check_decode", "check_decode"),
 )
 
 

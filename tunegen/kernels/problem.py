@@ -50,6 +50,18 @@ class Problem:
     return_lse: bool = False
     aligned: bool = True
 
+    @classmethod
+    def of(cls, *, family: str, batch: int, seqlen_q: int, seqlen_k: int, **features: Any) -> Problem:
+        """The Problem of a call with these exact sizes: batch and lengths in their buckets, but for
+        decode's few query tokens, which change its code and stay exact."""
+        return cls(
+            family=family,
+            batch=bucket(batch, floor=1),
+            seqlen_q=seqlen_q if family == "decode" else bucket(seqlen_q),
+            seqlen_k=bucket(seqlen_k),
+            **features,
+        )
+
     @property
     def group(self) -> int:
         """Query heads per KV head (1 for MHA, num_heads_q for MQA)."""

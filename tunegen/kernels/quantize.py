@@ -13,8 +13,9 @@ import torch
 
 from tunegen.kernels import fp8
 from tunegen.kernels.gpu import Gpu, gpu_of, interpreting
+from tunegen.kernels.launch_args import QuantizeArgs
 from tunegen.kernels.problem import DTYPE_NAMES
-from tunegen.kernels.render import load, render
+from tunegen.kernels.render import Rendered, load, render
 from tunegen.kernels.variant import Variant
 
 TEMPLATE = "quantize_fp8.py.j2"
@@ -30,8 +31,9 @@ class QuantizeVariant(Variant):
     num_warps: int = 8
 
 
-@functools.cache
-def _module(dtype: str, head_dim: int, group: int, hadamard: bool, per_block: bool, gpu: Gpu) -> ModuleType:
+def rendered(dtype: str, head_dim: int, group: int, hadamard: bool, per_block: bool, gpu: Gpu) -> Rendered:
+    """The quantizer's source for inputs of `dtype` and `head_dim`, query heads per KV head `group`,
+    rotated or not, scaled per block or per KV head, as `gpu` runs it."""
     interpreted = gpu.backend == "interpreter"
     features = {  # hadamard_block refuses, by name, head dims the rotation cannot take
         "head_dim": head_dim,
@@ -47,7 +49,13 @@ def _module(dtype: str, head_dim: int, group: int, hadamard: bool, per_block: bo
         "emulate_fp8": interpreted,
     }
     variant = QuantizeVariant(num_warps=4 if interpreted else 8)
-    return load(render(TEMPLATE, QuantizeVariant.family, variant, features), interpret=interpreted)
+    return render(TEMPLATE, QuantizeVariant.family, variant, features)
+
+
+@functools.cache
+def _module(dtype: str, head_dim: int, group: int, hadamard: bool, per_block: bool, gpu: Gpu) -> ModuleType:
+    source = rendered(dtype, head_dim, group, hadamard, per_block, gpu)
+    return load(source, interpret=gpu.backend == "interpreter")
 
 
 def outputs(q: torch.Tensor, k: torch.Tensor, *, per_block: bool) -> fp8.Fp8Inputs:
@@ -85,9 +93,11 @@ def quantize_into(
     if not per_block:
         scratch_q = torch.empty(batch, heads_q, -(-seqlen_q // fp8.SCALE_BLOCK), **f32)
         scratch_k = torch.empty(batch, heads_kv, -(-seqlen_k // fp8.SCALE_BLOCK), **f32)
-    scratch_v = torch.empty(batch, heads_kv, -(-seqlen_k // fp8.SCALE_BLOCK), **f32)
+    scratch = (scratch_q, scratch_k, torch.empty(batch, heads_kv, -(-seqlen_k // fp8.SCALE_BLOCK), **f32))
     v8 = out.v.transpose(2, 3)
-    module.launch(q, k, v, out.q, out.k, v8, *out[3:], scratch_q, scratch_k, scratch_v)
+    module.launch(
+        QuantizeArgs(q, k, v, out.q, out.k, v8, out.q_descale, out.k_descale, out.v_descale, *scratch)
+    )
 
 
 def quantize(

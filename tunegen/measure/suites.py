@@ -21,7 +21,7 @@ class Shape:
     causal: bool
 
     def problem(self, dtype: str) -> Problem:
-        return Problem(
+        return Problem.of(
             family="prefill",
             dtype=dtype,
             head_dim=self.head_dim,
@@ -78,7 +78,7 @@ def decode_suite(
 ) -> list[Problem]:
     """One-token decode Problems: each batch, cache length and layout (page size 0: contiguous)."""
     return [
-        Problem(
+        Problem.of(
             family="decode",
             dtype=dtype,
             head_dim=head_dim,

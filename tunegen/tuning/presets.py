@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tunegen.kernels.problem import Problem, bucket
+from tunegen.kernels.problem import Problem
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,16 +79,16 @@ def problems(
             for b in batches:
                 for n in seqlens:
                     out.append(
-                        Problem(
+                        Problem.of(
                             family="decode",
                             dtype=dtype,
                             head_dim=model.head_dim,
                             causal=True,
                             num_heads_q=model.heads,
                             num_heads_kv=model.kv_heads,
-                            batch=bucket(b, floor=1),
+                            batch=b,
                             seqlen_q=1,
-                            seqlen_k=bucket(n),
+                            seqlen_k=n,
                             paged=page_size > 0,
                             page_size=page_size,
                             fp8=fp8,
@@ -100,16 +100,16 @@ def problems(
             for n in seqlens:
                 b = max(1, tokens // n)
                 out.append(
-                    Problem(
+                    Problem.of(
                         family=family,
                         dtype="bfloat16" if fp8 else dtype,
                         head_dim=model.head_dim,
                         causal=c,
                         num_heads_q=model.heads,
                         num_heads_kv=model.kv_heads,
-                        batch=bucket(b, floor=1),
-                        seqlen_q=bucket(n),
-                        seqlen_k=bucket(n),
+                        batch=b,
+                        seqlen_q=n,
+                        seqlen_k=n,
                         fp8=fp8,
                     )
                 )

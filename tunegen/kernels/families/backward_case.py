@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 
 from tunegen.kernels.families.base import Case, Kernel
+from tunegen.kernels.launch_args import BackwardArgs
 from tunegen.kernels.problem import TORCH_DTYPES, Problem
 from tunegen.kernels.reference import causal_mask
 
@@ -105,10 +106,22 @@ def backward_case(problem: Problem, kernel: Kernel | None, device: torch.device,
         lse_packed = lse.transpose(0, 1).reshape(hq, b * nq)
         cu_q = torch.arange(0, (b + 1) * nq, nq, dtype=torch.int32, device=device)
         cu_k = torch.arange(0, (b + 1) * nk, nk, dtype=torch.int32, device=device)
-        launch = lambda: kernel.launch(*packed[:5], lse_packed, None, *packed[5:], scale, cu_q, cu_k, nq, nk)
+        args = BackwardArgs(
+            *packed[:5],
+            lse_packed,
+            None,
+            *packed[5:],
+            scale,
+            cu_seqlens_q=cu_q,
+            cu_seqlens_k=cu_k,
+            max_seqlen_q=nq,
+            max_seqlen_k=nk,
+        )
+        launch = lambda: kernel.launch(args)
         grads = tuple(t.view(b, -1, t.shape[1], d).transpose(1, 2) for t in packed[5:])
     elif kernel is not None:
-        launch = lambda: kernel.launch(q, k, v, out, dout, lse, None, *grads, scale)
+        args = BackwardArgs(q, k, v, out, dout, lse, None, *grads, scale)
+        launch = lambda: kernel.launch(args)
 
     peers = {}
     if device.type == "cuda" and not problem.varlen:

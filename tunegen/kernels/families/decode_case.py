@@ -9,6 +9,7 @@ import torch
 
 from tunegen.kernels import fp8
 from tunegen.kernels.families.base import Case, Kernel
+from tunegen.kernels.launch_args import DecodeArgs
 from tunegen.kernels.problem import TORCH_DTYPES, Problem
 from tunegen.kernels.reference import attention_reference
 
@@ -72,9 +73,9 @@ def decode_case(problem: Problem, kernel: Kernel | None, device: torch.device, s
     lse = torch.full((b, hq, nq), float("nan"), device=device) if problem.return_lse else None
     launch = None
     if kernel is not None:
-        launch = lambda: kernel.launch(
-            q, k_cache, v_cache, seqlens, out, lse, scale, table, None, None, *descales
-        )
+        named = dict(zip(("k_descale", "v_descale"), descales, strict=False))
+        args = DecodeArgs(q, k_cache, v_cache, seqlens, out, lse, scale, block_table=table, **named)
+        launch = lambda: kernel.launch(args)
 
     def error() -> float:
         if lse is not None and torch.isnan(lse).any():

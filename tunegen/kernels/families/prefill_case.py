@@ -9,6 +9,7 @@ import torch
 
 from tunegen.kernels import fp8, quantize
 from tunegen.kernels.families.base import Case, Kernel
+from tunegen.kernels.launch_args import PrefillArgs
 from tunegen.kernels.problem import TORCH_DTYPES, Problem
 from tunegen.kernels.reference import attention_reference, sampled_error
 
@@ -45,12 +46,15 @@ def prefill_case(problem: Problem, kernel: Kernel | None, device: torch.device, 
         cu_k = torch.arange(0, (b + 1) * nk, nk, dtype=torch.int32, device=device)
         if problem.return_lse:
             lse = torch.full((problem.num_heads_q, b * nq), float("nan"), device=device)
-        launch = lambda: kernel.launch(*packed, lse, scale, cu_q, cu_k, nq)
+        args = PrefillArgs(*packed, lse, scale, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=nq)
+        launch = lambda: kernel.launch(args)
         out = packed[3].view(b, nq, problem.num_heads_q, d).transpose(1, 2)
     elif kernel is not None:
         if problem.return_lse:
             lse = torch.full((b, problem.num_heads_q, nq), float("nan"), device=device)
-        launch = lambda: kernel.launch(*inputs[:3], out, lse, scale, *inputs[3:])
+        descales = dict(zip(("q_descale", "k_descale", "v_descale"), inputs[3:], strict=False))
+        args = PrefillArgs(*inputs[:3], out, lse, scale, **descales)
+        launch = lambda: kernel.launch(args)
 
     def error() -> float:
         if lse is not None and torch.isnan(lse).any():
