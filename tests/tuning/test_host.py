@@ -13,12 +13,13 @@ import time
 
 import optuna
 import pytest
+import sqlalchemy
 from click.testing import CliRunner
 from optuna.trial import TrialState
 
 from tunegen.cli.main import main
 from tunegen.kernels.gpu import interpreter_gpu
-from tunegen.tuning import host
+from tunegen.tuning import host, study
 from tunegen.tuning.presets import dry_run, parse_shape, problems
 from tunegen.tuning.study import evaluated, study_name
 from tunegen.tuning.tuner import TuneOptions, Tuner
@@ -176,3 +177,24 @@ def test_cli_tunes_on_two_stand_ins(tmp_path):
     for option, value in (("--trials", "0"), ("--trial-timeout", "0"), ("--workers", "0")):
         refused = CliRunner().invoke(main, [*args, option, value])
         assert refused.exit_code == 2 and option in refused.output, refused.output
+
+
+def test_preparing_a_database_another_program_is_creating_tries_again(tmp_path, monkeypatch):
+    """Two tuning runs started together on one new database race to create its tables: the one
+    that loses finds them made by the other, and goes on."""
+    url = f"sqlite:///{tmp_path / 'tune.db'}"
+    real, tries = optuna.storages.RDBStorage, []
+
+    def racing(*args, **kwargs):
+        tries.append(args)
+        if len(tries) == 1:
+            real(*args, **kwargs).engine.dispose()  # the other program, first
+            raise sqlalchemy.exc.IntegrityError("INSERT INTO alembic_version", {}, Exception("UNIQUE"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(optuna.storages, "RDBStorage", racing)
+    monkeypatch.setattr(study.time, "sleep", lambda _: None)
+    study.prepare(url)
+    assert len(tries) == 2
+    monkeypatch.setattr(optuna.storages, "RDBStorage", real)
+    optuna.create_study(study_name="after", storage=url)

@@ -15,6 +15,7 @@ import time
 
 import optuna
 import pytest
+import sqlalchemy
 import torch
 from conftest import NEEDS_GPU
 from optuna.trial import TrialState
@@ -136,14 +137,18 @@ def _trials(url, gpu, problem):
     return optuna.load_study(study_name=study_name(gpu, problem, "tpe"), storage=url).trials
 
 
-def _held(url, gpu, problem) -> list[int]:
+def _held(url, gpu, problem, process: subprocess.Popen) -> list[int]:
     """Wait until the tuning process holds a trial it is evaluating; their numbers."""
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"the tuning process ended before it held a trial:\n{process.stdout.read()}")
         time.sleep(0.2)
         try:
             trials = _trials(url, gpu, problem)
         except KeyError:  # the study is not created yet
+            continue
+        except sqlalchemy.exc.SQLAlchemyError:  # this poll raced the tuning process creating the tables
             continue
         held = [t.number for t in trials if t.state == TrialState.RUNNING and "variant" in t.user_attrs]
         if held:
@@ -164,7 +169,7 @@ def _interrupt_and_rerun(url, gpu, problem, args, signum, group) -> None:
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
-        held = _held(url, gpu, problem)
+        held = _held(url, gpu, problem, process)
         if group:
             os.killpg(process.pid, signum)
         else:
@@ -179,7 +184,9 @@ def _interrupt_and_rerun(url, gpu, problem, args, signum, group) -> None:
     assert "Traceback" not in output, output
     trials = {t.number: t for t in _trials(url, gpu, problem)}
     assert not [n for n, t in trials.items() if t.state == TrialState.RUNNING], "no trial left running"
-    abandoned = [n for n in held if not evaluated(trials[n])]
+    # A held trial may end on its own before the signal: evaluated, or pruned as a duplicate of a
+    # Variant another trial is evaluating.
+    abandoned = [n for n in held if not evaluated(trials[n]) and trials[n].state != TrialState.PRUNED]
     assert abandoned, f"a held trial was cut short: {held}"
     for number in abandoned:
         assert trials[number].state == TrialState.FAIL

@@ -15,6 +15,7 @@ import hashlib
 import logging
 import re
 import threading
+import time
 import warnings
 from typing import Any
 
@@ -115,8 +116,16 @@ def _serialize(engine: sqlalchemy.engine.Engine) -> None:
 
 def prepare(url: str) -> None:
     """Create Optuna's tables in the tuning database now: processes that start together and find
-    them missing would race to create them."""
-    optuna.storages.RDBStorage(url).engine.dispose()
+    them missing would race to create them. Another program creating them at the same moment (a
+    second `tunegen tune` on the same new database) makes this try fail; the next finds them."""
+    for attempt in range(3):
+        try:
+            optuna.storages.RDBStorage(url).engine.dispose()
+            return
+        except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.OperationalError):
+            if attempt == 2:
+                raise
+            time.sleep(0.5)
 
 
 def ask(study: optuna.Study) -> optuna.Trial:
