@@ -32,6 +32,7 @@ from tunegen.kernels import peers
 from tunegen.kernels.families import backward, base
 from tunegen.kernels.families.backward_case import backward_peer, grads_error, reference_backward
 from tunegen.kernels.gpu import cuda_gpu
+from tunegen.kernels.launch_args import BackwardArgs
 from tunegen.kernels.reference import TOLERANCE
 from tunegen.measure.suites import Shape, prefill_suite
 
@@ -156,7 +157,8 @@ def _run(kernel, q, k, v, dout, out, lse, grads=None):
     grads = grads or [torch.empty_like(t) for t in (q, k, v)]
     for g in grads:
         g.fill_(float("nan"))
-    call = lambda: kernel.launch(q, k, v, out, dout, lse, None, *grads, q.shape[-1] ** -0.5)
+    args = BackwardArgs(q, k, v, out, dout, lse, None, *grads, q.shape[-1] ** -0.5)
+    call = lambda: kernel.launch(args)
     call()
     return grads, call
 

@@ -26,6 +26,7 @@ from sweep import time_in_rounds
 
 from tunegen.kernels.families import base, decode
 from tunegen.kernels.gpu import cuda_gpu
+from tunegen.kernels.launch_args import DecodeArgs
 from tunegen.kernels.reference import TOLERANCE
 from tunegen.measure.suites import decode_suite
 from tunegen.tuning.timing import rate
@@ -111,7 +112,7 @@ def main() -> None:
             row = {**problem.as_dict(), "variant": variant.as_dict(), "default": i == 0}
             try:
                 kernel = base.build(decode.FAMILY, variant, problem, gpu)
-                launch = functools.partial(kernel.launch, *tensors, out, None, scale, table)
+                launch = functools.partial(kernel.launch, DecodeArgs(*tensors, out, None, scale, table))
                 out.fill_(float("nan"))
                 launch()
                 row["rel_err"] = err = float((out.float() - ref).norm() / ref.norm())

@@ -35,6 +35,7 @@ import tunegen
 from tunegen.kernels import dispatch, launcher, peers
 from tunegen.kernels.families import base, prefill
 from tunegen.kernels.gpu import cuda_gpu
+from tunegen.kernels.launch_args import DecodeArgs, PrefillArgs
 from tunegen.tuning.timing import per_call_us
 
 # The Hopper schedule's defaults for these head dims (tunegen/kernels/families/prefill.py, _ws_default),
@@ -93,15 +94,15 @@ def bare_and_triton(launches):
     return bare, generic
 
 
-def parts(public, bind_args, kernel, reference_output):
-    """The per-call parts of one case; `bind_args` are the bound call's arguments."""
+def parts(public, args, kernel, reference_output):
+    """The per-call parts of one case; `args` are the bound call's launch arguments."""
     public()
     with recording() as launches:
-        call = kernel.bind(*bind_args)
+        call = kernel.bind(args)
     bare, generic = bare_and_triton(launches)
     result = {
         "public_us": per_call_us([public], graph=False),
-        "bound_us": per_call_us([lambda: call(*bind_args)], graph=False),
+        "bound_us": per_call_us([lambda: call(args)], graph=False),
         "bare_us": per_call_us([bare], graph=False),
         "triton_us": per_call_us([generic], graph=False),
         "graph_us": per_call_us([public], graph=True),
@@ -127,7 +128,10 @@ def prefill_case(batch, heads, seqlen, head_dim, causal, variant=None):
         dispatch.fast_calls.clear()
     kernel = dispatch.kernel_for(problem, gpu)
     result = parts(
-        lambda: tunegen.attention(q, k, v, causal=causal), (q, k, v, out, None, head_dim**-0.5), kernel, q
+        lambda: tunegen.attention(q, k, v, causal=causal),
+        PrefillArgs(q, k, v, out, None, head_dim**-0.5),
+        kernel,
+        q,
     )
     dispatch.forget()
     return result
@@ -157,7 +161,7 @@ def decode_case(batch, cache, append):
     public()
     choice, *_ = [c for key, c in dispatch._CHOICES.items() if key[0].family == "decode"]
     out = torch.empty_like(q)
-    result = parts(public, (q, kc, vc, lengths, out, None, 128**-0.5, None, *new), choice.kernel, q)
+    result = parts(public, DecodeArgs(q, kc, vc, lengths, out, None, 128**-0.5, None, *new), choice.kernel, q)
     dispatch.forget()
     return result
 

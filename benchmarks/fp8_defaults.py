@@ -29,6 +29,7 @@ import tunegen
 from tunegen.kernels import fp8, peers
 from tunegen.kernels.families import base, prefill
 from tunegen.kernels.gpu import cuda_gpu
+from tunegen.kernels.launch_args import PrefillArgs
 from tunegen.kernels.reference import TOLERANCE, attention_reference, sampled_error
 from tunegen.measure.suites import prefill_suite
 
@@ -56,6 +57,12 @@ def _problem(shape):
     return dataclasses.replace(shape.problem("bfloat16"), fp8=True)
 
 
+def _args(x: fp8.Fp8Inputs, out: torch.Tensor, scale: float) -> PrefillArgs:
+    """The prefill kernel's launch on quantized inputs `x`, writing `out` and no log-sum-exp."""
+    descales = {"q_descale": x.q_descale, "k_descale": x.k_descale, "v_descale": x.v_descale}
+    return PrefillArgs(x.q, x.k, x.v, out, None, scale, **descales)
+
+
 def _bf16(shape, seed=0):
     gen = torch.Generator().manual_seed(seed)
     mk = lambda h: torch.randn(shape.batch, h, shape.seqlen, shape.head_dim, generator=gen).cuda().bfloat16()
@@ -74,7 +81,7 @@ def _compile_and_check(args) -> str | None:
         mk = lambda h: torch.randn(2, h, 333, shape.head_dim, generator=gen).cuda().bfloat16()
         x = tunegen.quantize_fp8(mk(2 * group), mk(2), mk(2))
         out = torch.full(x.q.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
-        kernel.launch(*x[:3], out, None, 0.3, *x[3:])
+        kernel.launch(_args(x, out, 0.3))
         values = [fp8.dequantize(t, s) for t, s in zip(x[:3], x[3:], strict=True)]
         ref, _ = attention_reference(*values, causal=shape.causal, scale=0.3)
         err = float((out.double() - ref).norm() / ref.norm()) if not out.isnan().any() else float("nan")
@@ -157,7 +164,7 @@ def main() -> None:
             for vd in good:
                 kernel = base.build(prefill.FAMILY, prefill.PrefillVariant(**vd), _problem(shape), gpu)
                 out.fill_(float("nan"))
-                fn = functools.partial(kernel.launch, *x[:3], out, None, scale, *x[3:])
+                fn = functools.partial(kernel.launch, _args(x, out, scale))
                 fn()
                 err = sampled_error(out, *values, causal=shape.causal, scale=scale, generator=gen)
                 rec = {**row, "variant": vd, "label": _label(vd), "ms": None, "tflops": None, "error": err}

@@ -18,6 +18,7 @@ import torch
 from tunegen.kernels import peers
 from tunegen.kernels.families import base, prefill
 from tunegen.kernels.gpu import cuda_gpu
+from tunegen.kernels.launch_args import PrefillArgs
 from tunegen.kernels.reference import TOLERANCE, sampled_error
 from tunegen.measure.rows import check_then_time
 from tunegen.measure.suites import prefill_suite
@@ -45,7 +46,7 @@ def measure(shape, gpu) -> list[dict]:
 
     def launcher(variant):
         kernel = base.build(prefill.FAMILY, variant, problem, gpu)
-        return lambda: kernel.launch(q, k, v, out, None, scale) or out
+        return lambda: kernel.launch(PrefillArgs(q, k, v, out, None, scale)) or out
 
     variants = {"fa2 (default loop)": prefill.fa2_default(problem, gpu), **STEPS}
     calls = {name: (launcher(variant), check, TOLERANCE["bfloat16"]) for name, variant in variants.items()}

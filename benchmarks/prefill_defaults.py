@@ -30,6 +30,7 @@ from sweep import time_in_rounds
 from tunegen.kernels import peers
 from tunegen.kernels.families import base, prefill
 from tunegen.kernels.gpu import cuda_gpu
+from tunegen.kernels.launch_args import PrefillArgs
 from tunegen.kernels.reference import TOLERANCE, attention_reference, sampled_error
 from tunegen.measure.suites import Shape, prefill_suite
 
@@ -156,7 +157,7 @@ def _compile_and_check(args: tuple[Shape, str]) -> str | None:
         group = shape.heads // shape.kv_heads
         q, k, v = mk(2 * group, 333), mk(2, 333), mk(2, 333)
         out = torch.full_like(q, float("nan"))
-        kernel.launch(q, k, v, out, None, 0.3)
+        kernel.launch(PrefillArgs(q, k, v, out, None, 0.3))
         ref, _ = attention_reference(q, k, v, causal=shape.causal, scale=0.3)
         err = float((out.double() - ref).norm() / ref.norm()) if not out.isnan().any() else float("nan")
         return (
@@ -280,7 +281,7 @@ def main() -> None:
                 try:
                     kernel = base.build(prefill.FAMILY, variant, problem, gpu)
                     out.fill_(float("nan"))
-                    launch = functools.partial(kernel.launch, q, k, v, out, None, scale)
+                    launch = functools.partial(kernel.launch, PrefillArgs(q, k, v, out, None, scale))
                     launch()
                     rec["err"] = sampled_error(out, q, k, v, causal=shape.causal, scale=scale, generator=gen)
                     if rec["err"] < TOLERANCE["bfloat16"]:

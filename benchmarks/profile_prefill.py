@@ -15,6 +15,7 @@ import torch
 from tunegen.kernels import dispatch
 from tunegen.kernels.families import base, prefill
 from tunegen.kernels.gpu import cuda_gpu
+from tunegen.kernels.launch_args import PrefillArgs
 from tunegen.measure.suites import prefill_suite
 
 
@@ -40,7 +41,7 @@ def main() -> None:
     )
     out = torch.empty_like(q)
     for _ in range(args.launches):
-        kernel.launch(q, k, v, out, None, shape.head_dim**-0.5)
+        kernel.launch(PrefillArgs(q, k, v, out, None, shape.head_dim**-0.5))
     torch.cuda.synchronize()
 
 

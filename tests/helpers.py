@@ -7,12 +7,12 @@ import pytest
 import torch
 from conftest import NEEDS_GPU, NEEDS_INTERPRETER
 
-from tunegen.checks import is_aligned16
 from tunegen.backends import backend_for
+from tunegen.calls.decode import DecodeCall
+from tunegen.calls.prefill import PrefillCall, Varlen
 from tunegen.kernels.database import gpu_record
-from tunegen.kernels.families import base, prefill
+from tunegen.kernels.families import base, decode, prefill
 from tunegen.kernels.gpu import gpu_of, interpreter_gpu
-from tunegen.kernels.problem import DTYPE_NAMES, Problem, bucket
 from tunegen.kernels.reference import attention_reference
 from tunegen.tuning_db import Store, WinnerRecord
 
@@ -43,42 +43,33 @@ def assert_lse(lse: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None
         assert float((lse.double()[finite] - ref[finite]).abs().max()) < LSE_TOL[dtype]
 
 
-def problem_for(
-    q: torch.Tensor, k: torch.Tensor, *, causal: bool, return_lse: bool, varlen: bool = False
-) -> Problem:
-    if varlen:
-        batch, sq, sk = 1, q.shape[0], k.shape[0]
-    else:
-        batch, sq, sk = q.shape[0], q.shape[2], k.shape[2]
-    return Problem(
-        family="prefill",
-        dtype=DTYPE_NAMES[q.dtype],
-        head_dim=q.shape[-1],
-        causal=causal,
-        num_heads_q=q.shape[-3] if not varlen else q.shape[1],
-        num_heads_kv=k.shape[-3] if not varlen else k.shape[1],
-        batch=bucket(batch, floor=1),
-        seqlen_q=bucket(sq),
-        seqlen_k=bucket(sk),
-        varlen=varlen,
-        return_lse=return_lse,
-        aligned=is_aligned16(q, k),
-    )
-
-
 def run_variant(
-    variant: prefill.PrefillVariant, q, k, v, *, causal, scale, return_lse=True, varlen_args=None
+    variant: prefill.PrefillVariant, q, k, v, *, causal, scale, return_lse=True, varlen: Varlen | None = None
 ):
-    """Launch one Variant directly, into outputs poisoned with NaN."""
-    problem = problem_for(q, k, causal=causal, return_lse=return_lse, varlen=varlen_args is not None)
-    kernel = base.build(prefill.FAMILY, variant, problem, gpu_of(q.device))
-    out = torch.full_like(q, float("nan"))
-    if varlen_args is None:
-        lse = torch.full(q.shape[:3], float("nan"), device=q.device) if return_lse else None
-        kernel.launch(q, k, v, out, lse, scale)
-    else:
-        lse = torch.full((q.shape[1], q.shape[0]), float("nan"), device=q.device) if return_lse else None
-        kernel.launch(q, k, v, out, lse, scale, *varlen_args)
+    """Launch one Variant directly, into outputs poisoned with NaN, under the Problem the public
+    call would dispatch it (unchecked: a test may hand the kernel what the checks refuse)."""
+    call = PrefillCall(q, k, v, causal, scale, return_lse, varlen=varlen)
+    out, lse = call.outputs()
+    out.fill_(float("nan"))
+    if lse is not None:
+        lse.fill_(float("nan"))
+    kernel = base.build(prefill.FAMILY, variant, call.problem(out), gpu_of(q.device))
+    kernel.launch(call.args(out, lse))
+    return out, lse
+
+
+def run_decode_variant(
+    variant, q, k_cache, v_cache, seqlens, table, k=None, v=None, causal=True, descales=None
+):
+    """Launch one decode Variant directly (unchecked), into outputs poisoned with NaN; `descales`
+    (k_descale, v_descale) for an e4m3 cache."""
+    scale = q.shape[-1] ** -0.5
+    call = DecodeCall(q, k_cache, v_cache, seqlens, k, v, table, causal, scale, True, descales=descales)
+    out, lse = call.outputs()
+    out.fill_(float("nan"))
+    lse.fill_(float("nan"))
+    kernel = base.build(decode.FAMILY, variant, call.problem(), gpu_of(q.device))
+    kernel.launch(call.args(out, lse))
     return out, lse
 
 

@@ -46,9 +46,9 @@ def lookup(q: object, k: object, v: object, causal: object, return_lse: object) 
     """
     try:
         key = (launcher.key_of(q, k, v), bool(causal), bool(return_lse))
+        return key, dispatch.fast_calls.get(key)
     except (AttributeError, TypeError):
         return None, None
-    return key, dispatch.fast_calls.get(key)
 
 
 def _fast(bound: Callable[[PrefillArgs], None], call: PrefillCall) -> Callable[..., object]:

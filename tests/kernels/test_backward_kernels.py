@@ -12,7 +12,8 @@ import torch
 
 import tunegen
 from helpers import assert_grads, dispatch_interprets, leaves, packed, qkv_dout, reference_grads
-from tunegen.backward import problem_for
+from tunegen.calls.backward import BackwardCall
+from tunegen.calls.prefill import PrefillCall, Varlen
 from tunegen.kernels import dispatch
 from tunegen.kernels.database import gpu_record
 from tunegen.kernels.families import backward, base, get
@@ -27,19 +28,15 @@ Variant = backward.BackwardVariant
 pytestmark = pytest.mark.usefixtures("user_db")
 
 
-def launch(variant, q, k, v, dout, *, causal, scale, varlen_args=None):
+def launch(variant, q, k, v, dout, *, causal, scale, varlen: Varlen | None = None):
     """Run one Variant's kernels directly on the float64 reference's output and log-sum-exp, into
     gradients poisoned with NaN."""
-    if varlen_args is None:
-        out, lse = attention_reference(q, k, v, causal=causal, scale=scale)
-        problem = problem_for(q, k, causal, q.shape[0], q.shape[2], k.shape[2], varlen=False)
-    else:
-        cu_q, cu_k, max_q, max_k = varlen_args
-        out, lse = attention_varlen_reference(q, k, v, cu_q, cu_k, causal=causal, scale=scale)
-        problem = problem_for(q, k, causal, cu_q.shape[0] - 1, max_q, max_k, varlen=True)
-    kernel = base.build(backward.FAMILY, variant, problem, gpu_of(q.device))
+    forward = PrefillCall(q, k, v, causal, scale, True, varlen=varlen)
+    out, lse = forward.reference()
+    call = BackwardCall(forward, out.to(q.dtype), lse.float(), dout, None)
+    kernel = base.build(backward.FAMILY, variant, call.problem(), gpu_of(q.device))
     grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
-    kernel.launch(q, k, v, out.to(q.dtype), dout, lse.float(), None, *grads, scale, *(varlen_args or ()))
+    kernel.launch(call.args(*grads))
     return grads
 
 
@@ -93,8 +90,8 @@ def test_varlen_gradients_match_float64(device, knobs, causal):
         tunegen.attention_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal).backward(dout)
         grads = (q.grad, k.grad, v.grad)
     else:
-        sizes = (cu_q, cu_k, max(lq), max(lk))
-        grads = launch(VARLEN_KNOBS[knobs], q, k, v, dout, causal=causal, scale=48**-0.5, varlen_args=sizes)
+        sizes = Varlen(cu_q, cu_k, max(lq), max(lk))
+        grads = launch(VARLEN_KNOBS[knobs], q, k, v, dout, causal=causal, scale=48**-0.5, varlen=sizes)
     assert_grads(grads, ref, torch.float16)
     no_queries = slice(int(cu_k[1]), int(cu_k[2]))  # the keys of the empty query sequence
     assert torch.all(grads[1][no_queries] == 0) and torch.all(grads[2][no_queries] == 0)
@@ -105,7 +102,8 @@ def test_dispatch_serves_a_backward_winner(tmp_path, monkeypatch):
     if not dispatch_interprets():
         pytest.skip("CPU kernels need the interpreter")
     q, k, v, dout = qkv_dout(1, 4, 2, 20, 20, 16, torch.float16, torch.device("cpu"), seed=91)
-    problem = problem_for(q, k, True, 1, 20, 20, varlen=False)
+    forward = PrefillCall(q, k, v, True, 0.25, True)
+    problem = BackwardCall(forward, *forward.reference(), dout, None).problem()
     tuned = Variant(16, 16, 16, 16, num_warps=4, num_stages=1, dq_mode="atomic")
     url = f"sqlite:///{tmp_path / 'tuned.db'}"
     monkeypatch.setenv("TUNEGEN_DB", url)
@@ -202,7 +200,7 @@ def test_the_dq_passes_knobs_apply_only_where_it_runs():
 def test_broadcast_or_unaligned_gradients_take_pointer_loads(device):
     """dout as out.sum() makes it (a broadcast) and inputs at an odd offset: the Problem is marked
     unaligned, so the default Variant reads through pointers, and the gradients are right."""
-    from tunegen.backward import descriptor_ready
+    from tunegen.calls.backward import descriptor_ready
 
     q, k, v, _ = qkv_dout(1, 2, 1, 24, 24, 16, torch.float16, device, seed=61)
     assert descriptor_ready(q, k, v)

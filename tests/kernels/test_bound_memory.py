@@ -10,6 +10,7 @@ of shapes through every public path) is tests/public/test_memory_gpu.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import subprocess
@@ -23,10 +24,12 @@ import torch
 from tunegen.kernels import dispatch, fp8, launcher
 from tunegen.kernels.families import backward, decode, prefill
 from tunegen.kernels.gpu import Gpu
+from tunegen.kernels.launch_args import BackwardArgs, DecodeArgs, PrefillArgs
 from tunegen.kernels.problem import Problem
 from tunegen.kernels.render import load, render
 
 HOPPER = Gpu("H100", (9, 0), 132, 232448, "3.6.0", "", "cuda")
+LaunchArgs = PrefillArgs | BackwardArgs | DecodeArgs
 WS = prefill.PrefillVariant(schedule="ws", block_m=64, block_n=128, consumers=2, pingpong=True)
 
 
@@ -35,7 +38,7 @@ def _module(family, variant, problem):
     return load(rendered, interpret=False)
 
 
-def _prefill_args(problem: Problem):
+def _prefill_args(problem: Problem) -> PrefillArgs:
     b, hq, hkv, d = 2, problem.num_heads_q, problem.num_heads_kv, problem.head_dim
     n, m = 100, 130
     dtype = torch.bfloat16
@@ -45,14 +48,14 @@ def _prefill_args(problem: Problem):
     lse = torch.empty(b, hq, n) if problem.return_lse else None
     if problem.fp8:
         x = fp8.quantize_reference(q, k, v, hadamard=False, per_block=True)
-        return (x.q, x.k, x.v, out, lse, 0.1, *x[3:])
+        return PrefillArgs(x.q, x.k, x.v, out, lse, 0.1, q_descale=x[3], k_descale=x[4], v_descale=x[5])
     if problem.varlen:
         packed = [t.transpose(1, 2).reshape(-1, t.shape[1], d).contiguous() for t in (q, k, v, out)]
         cu_q = torch.tensor([0, n, 2 * n], dtype=torch.int32)
         cu_k = torch.tensor([0, m, 2 * m], dtype=torch.int32)
         lse = torch.empty(hq, 2 * n) if problem.return_lse else None
-        return (*packed, lse, 0.1, cu_q, cu_k, n)
-    return (q, k, v, out, lse, 0.1)
+        return PrefillArgs(*packed, lse, 0.1, cu_q, cu_k, n)
+    return PrefillArgs(q, k, v, out, lse, 0.1)
 
 
 def _problem(family: str, **features) -> Problem:
@@ -71,11 +74,13 @@ PREFILL = [
 ]
 
 
-def _assert_held_by_nothing(args: tuple, bind) -> None:
+def _assert_held_by_nothing(args: LaunchArgs, bind) -> None:
     """Bind on `args` (which nothing else may hold), drop them, and check every tensor among them
     is gone while the bound call lives on (views count: a kept view keeps its base)."""
-    refs = [weakref.ref(a) for a in args if isinstance(a, torch.Tensor)]
-    call = bind(*args)
+    fields = [getattr(args, f.name) for f in dataclasses.fields(args)]
+    refs = [weakref.ref(a) for a in fields if isinstance(a, torch.Tensor)]
+    del fields
+    call = bind(args)
     del args
     gc.collect()
     kept = [r() for r in refs if r() is not None]
@@ -112,12 +117,13 @@ BACKWARD = [
 ]
 
 
-def _backward_args(with_dlse: bool) -> tuple:
-    q, k, v, out, _, _ = _prefill_args(_problem("backward"))
-    q, k, v, out = (t.half() for t in (q, k, v, out))
+def _backward_args(with_dlse: bool) -> BackwardArgs:
+    forward = _prefill_args(_problem("backward"))
+    q, k, v, out = (t.half() for t in (forward.q, forward.k, forward.v, forward.out))
+    del forward
     dlse = torch.randn(q.shape[:3]).half() if with_dlse else None
     grads = [torch.empty_like(t) for t in (q, k, v)]
-    return (q, k, v, out, torch.randn_like(out), torch.randn(q.shape[:3]), dlse, *grads, 0.1)
+    return BackwardArgs(q, k, v, out, torch.randn_like(out), torch.randn(q.shape[:3]), dlse, *grads, 0.1)
 
 
 @pytest.mark.parametrize("variant", BACKWARD, ids=lambda v: v.to_json())
@@ -134,7 +140,7 @@ DECODE = [
 ]
 
 
-def _decode_args(problem: Problem) -> tuple:
+def _decode_args(problem: Problem) -> DecodeArgs:
     b, hq, hkv, d = 2, problem.num_heads_q, problem.num_heads_kv, problem.head_dim
     cache_dtype = fp8.E4M3 if problem.fp8 else torch.bfloat16
     shape = (16, 64, hkv, d) if problem.paged else (b, 512, hkv, d)
@@ -144,7 +150,7 @@ def _decode_args(problem: Problem) -> tuple:
     table = torch.arange(16, dtype=torch.int32).view(b, 8) if problem.paged else None
     new = [torch.randn(b, 1, hkv, d).to(torch.bfloat16) for _ in range(2)]
     descales = [torch.rand(b, hkv) for _ in range(2)] if problem.fp8 else []
-    return (q, k_cache, v_cache, lengths, torch.empty_like(q), None, 0.1, table, *new, *descales)
+    return DecodeArgs(q, k_cache, v_cache, lengths, torch.empty_like(q), None, 0.1, table, *new, *descales)
 
 
 @pytest.mark.parametrize("name, features, variant", DECODE, ids=[d[0] for d in DECODE])

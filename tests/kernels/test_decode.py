@@ -8,21 +8,8 @@ import pytest
 import torch
 
 import tunegen
-from helpers import REL_TOL, assert_lse, gathered, make_cache, reference, rel_err
-from tunegen.kernels.families import base, decode
-from tunegen.kernels.gpu import gpu_of
-
-
-def run(variant, q, k_cache, v_cache, seqlens, table, k=None, v=None, causal=True):
-    from tunegen.decode import _problem
-
-    problem = _problem(q, k_cache, seqlens, table, causal, True)
-    kernel = base.build(decode.FAMILY, variant, problem, gpu_of(q.device))
-    out = torch.full_like(q, float("nan"))
-    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), device=q.device)
-    kernel.launch(q, k_cache, v_cache, seqlens, out, lse, q.shape[-1] ** -0.5, table, k, v)
-    return out, lse
-
+from helpers import REL_TOL, assert_lse, gathered, make_cache, reference, rel_err, run_decode_variant
+from tunegen.kernels.families import decode
 
 CASES = [
     # batch, hq, hkv, d, nq, lengths, capacity, page
@@ -48,7 +35,7 @@ def test_decode_matches_float64(device, variant, batch, hq, hkv, d, nq, lengths,
     q = torch.randn(batch, nq, hq, d, generator=gen).to(device, dtype)
     k_cache, v_cache, table = make_cache(batch, hkv, d, lengths, capacity, page, dtype, device, gen)
     seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
-    out, lse = run(variant, q, k_cache, v_cache, seqlens, table)
+    out, lse = run_decode_variant(variant, q, k_cache, v_cache, seqlens, table)
     ref, ref_lse = reference(q, k_cache, v_cache, table, lengths, True, d**-0.5)
     assert rel_err(out, ref) < REL_TOL[dtype]
     assert_lse(lse, ref_lse, dtype)
@@ -71,7 +58,7 @@ def test_appended_tokens_are_written_in_place_then_attended(device, page, splits
     before_k, before_v = k_cache.clone(), v_cache.clone()
     seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
     variant = decode.DecodeVariant(block_n=16, num_splits=splits, num_stages=1)
-    out, lse = run(variant, q, k_cache, v_cache, seqlens, table, k_new, v_new)
+    out, lse = run_decode_variant(variant, q, k_cache, v_cache, seqlens, table, k_new, v_new)
     for b, n in enumerate(lengths):
         assert torch.equal(gathered(k_cache, table, b, n + new)[:, n:], k_new[b].transpose(0, 1))
         assert torch.equal(gathered(v_cache, table, b, n + new)[:, n:], v_new[b].transpose(0, 1))
@@ -185,7 +172,7 @@ def test_lengths_and_pages_that_do_not_fit_give_nan_and_touch_nothing(device, pa
     before_k, before_v = k_cache.clone(), v_cache.clone()
     seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
     variant = decode.DecodeVariant(block_n=16, num_splits=splits, num_stages=1)
-    out, lse = run(variant, q, k_cache, v_cache, seqlens, table, k_new, v_new)
+    out, lse = run_decode_variant(variant, q, k_cache, v_cache, seqlens, table, k_new, v_new)
     bad = [1, 2, 3] if page else [1, 2]
     good = [b for b in range(batch) if b not in bad]
     assert torch.isnan(out[bad]).all() and torch.isnan(lse[bad]).all()

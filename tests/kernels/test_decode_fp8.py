@@ -10,8 +10,7 @@ import pytest
 import torch
 
 import tunegen
-from helpers import REL_TOL, assert_lse, gathered, make_cache, reference, rel_err
-from tunegen.decode import _problem
+from helpers import REL_TOL, assert_lse, gathered, make_cache, reference, rel_err, run_decode_variant
 from tunegen.kernels import fp8
 from tunegen.kernels.families import base, decode
 from tunegen.kernels.gpu import gpu_of
@@ -44,16 +43,6 @@ def widened(cache8, table, descale):
     return out
 
 
-def run(variant, q, k_cache, v_cache, seqlens, table, descales, k=None, v=None):
-    problem = _problem(q, k_cache, seqlens, table, True, True)
-    assert problem.fp8
-    kernel = base.build(decode.FAMILY, variant, problem, gpu_of(q.device))
-    out = torch.full_like(q, float("nan"))
-    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), device=q.device)
-    kernel.launch(q, k_cache, v_cache, seqlens, out, lse, q.shape[-1] ** -0.5, table, k, v, *descales)
-    return out, lse
-
-
 CASES = [
     # batch, hq, hkv, d, nq, lengths, capacity, page, variant
     (3, 8, 2, 64, 1, [0, 37, 100], 128, 0, decode.DecodeVariant(block_n=16, num_splits=1, num_stages=1)),
@@ -84,7 +73,7 @@ def test_fp8_cache_matches_float64_and_appends_quantized(
     q = torch.randn(batch, nq, hq, d, generator=gen).to(device, dtype)
     new = [torch.randn(batch, nq, hkv, d, generator=gen).to(device, dtype) for _ in range(2)]
     seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
-    out, lse = run(variant, q, k_cache, v_cache, seqlens, table, descales, *new)
+    out, lse = run_decode_variant(variant, q, k_cache, v_cache, seqlens, table, *new, descales=descales)
     for b, n in enumerate(lengths):
         for cache, tokens, descale in ((k_cache, new[0], descales[0]), (v_cache, new[1], descales[1])):
             written = gathered(cache, table, b, n + nq)[:, n:].view(torch.uint8)

@@ -11,7 +11,7 @@ import torch
 
 import tunegen
 from helpers import DECODE_PATHS, REL_TOL, assert_lse, gathered, on_path, record_winner, reference, rel_err
-from tunegen.decode import _problem
+from tunegen.calls.decode import DecodeCall
 from tunegen.kernels import dispatch, snapshot
 from tunegen.kernels.families import base, decode
 from tunegen.kernels.gpu import Gpu, gpu_of, interpreter_gpu
@@ -51,7 +51,8 @@ def test_every_multiple_of_16_is_served_with_appended_tokens(path, user_db, page
     assert rel_err(out, ref) < REL_TOL[dtype]
     assert_lse(lse, ref_lse, dtype)
     if strict:
-        problem = _problem(q, k_cache, seqlens, table, True, True)
+        call = DecodeCall.checked(q, k_cache, v_cache, seqlens, block_table=table, return_lse=True)
+        problem = call.problem()
         assert page % dispatch.choice_for(problem, gpu_of(device)).kernel.variant.block_n == 0
 
 

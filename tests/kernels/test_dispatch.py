@@ -14,7 +14,7 @@ import torch
 
 import tunegen
 from helpers import REL_TOL, qkv, record_winner, rel_err
-from tunegen.eager import attention_problem
+from tunegen.calls.prefill import PrefillCall
 from tunegen.kernels import dispatch, snapshot
 from tunegen.kernels.families.prefill import PrefillVariant
 from tunegen.kernels.reference import attention_reference
@@ -142,7 +142,7 @@ def test_the_database_is_read_once_per_process_and_gpu(monkeypatch, caplog):
 def test_a_winner_recorded_after_the_first_use_waits_for_forget(fresh):
     first, later = qkv(n=40), qkv(n=100)
     assert tunegen.explain(*first)["source"] == "default"  # the Gpu's snapshot is taken here
-    record_winner(fresh, attention_problem(*later, later[0], False, False).as_dict(), TUNED)
+    record_winner(fresh, PrefillCall.dense(*later).problem(later[0]).as_dict(), TUNED)
     info = tunegen.explain(*later)
     assert info["source"] == "default", "a Problem first met after the Winner was recorded: the same snapshot"
     dispatch.forget()

@@ -13,10 +13,11 @@ from conftest import NEEDS_GPU
 
 import tunegen
 from helpers import LSE_TOL, assert_lse, rel_err
+from tunegen.calls.prefill import PrefillCall
 from tunegen.kernels import fp8
 from tunegen.kernels.families import base, prefill
 from tunegen.kernels.gpu import Gpu, gpu_of
-from tunegen.kernels.problem import Problem, bucket
+from tunegen.kernels.problem import Problem
 from tunegen.kernels.reference import FP8_TOLERANCE, attention_reference, tolerance
 from tunegen.measure.bench_fp8 import fp8_speedups
 from tunegen.measure.rows import Row
@@ -101,24 +102,14 @@ VARIANTS = [
 
 def run_fp8(variant, x: fp8.Fp8Inputs, *, causal, scale, return_lse=True):
     """Launch one FP8 Variant directly, into outputs poisoned with NaN."""
-    batch, hq, nq, d = x.q.shape
-    problem = Problem(
-        "prefill",
-        "bfloat16",
-        d,
-        causal,
-        hq,
-        x.k.shape[1],
-        bucket(batch, floor=1),
-        bucket(nq),
-        bucket(x.k.shape[2]),
-        fp8=True,
-        return_lse=return_lse,
-    )
-    kernel = base.build(prefill.FAMILY, variant, problem, gpu_of(x.q.device))
-    out = torch.full(x.q.shape, float("nan"), device=x.q.device, dtype=torch.bfloat16)
-    lse = torch.full((batch, hq, nq), float("nan"), device=x.q.device) if return_lse else None
-    kernel.launch(*x[:3], out, lse, scale, *x[3:])
+    descales = (x.q_descale, x.k_descale, x.v_descale)
+    call = PrefillCall(x.q, x.k, x.v, causal, scale, return_lse, descales=descales, out_dtype=torch.bfloat16)
+    out, lse = call.outputs()
+    out.fill_(float("nan"))
+    if lse is not None:
+        lse.fill_(float("nan"))
+    kernel = base.build(prefill.FAMILY, variant, call.problem(out), gpu_of(x.q.device))
+    kernel.launch(call.args(out, lse))
     return out, lse
 
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import tunegen
 from helpers import qkv, record_winner
-from tunegen.eager import attention_problem
+from tunegen.calls.prefill import PrefillCall
 from tunegen.kernels import dispatch, snapshot
 
 # Two Variants as explain() shows them (a float16 Problem on the interpreter): the knobs its search
@@ -52,7 +52,7 @@ def rank_main(rank: int, port: int, results, recorded) -> None:
 
 def test_every_rank_serves_the_first_ranks_snapshot(user_db, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the ranks inherit it, and user_db's TUNEGEN_DB
-    problem = attention_problem(*qkv(), qkv()[0], False, False).as_dict()
+    problem = PrefillCall.dense(*qkv()).problem(qkv()[0]).as_dict()
     record_winner(user_db, problem, SLOW, ms=2.0)
     context = multiprocessing.get_context("spawn")
     results, recorded = context.Queue(), context.Event()
@@ -84,6 +84,6 @@ def test_without_the_jobs_store_each_rank_reads_for_itself(user_db, monkeypatch)
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", no_store)
     monkeypatch.setattr(snapshot, "_store_failed", False)
-    record_winner(user_db, attention_problem(*qkv(), qkv()[0], False, False).as_dict(), SLOW)
+    record_winner(user_db, PrefillCall.dense(*qkv()).problem(qkv()[0]).as_dict(), SLOW)
     with pytest.warns(UserWarning, match="cannot share tuned winners.*no store"):
         assert tunegen.explain(*qkv())["variant"] == SLOW

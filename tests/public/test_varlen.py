@@ -7,6 +7,7 @@ import torch
 
 import tunegen
 from helpers import DTYPES, REL_TOL, assert_lse, packed, randn, rel_err, run_variant
+from tunegen.calls.prefill import Varlen
 from tunegen.kernels.families.prefill import PrefillVariant
 from tunegen.kernels.reference import attention_varlen_reference
 
@@ -39,7 +40,7 @@ def test_varlen_matches_float64(device, dtype, causal, lq, lk, hq, hkv, d):
 )
 def test_varlen_knobs(device, variant):
     q, k, v, cu_q, cu_k = packed([29, 50, 3], [29, 61, 8], 4, 2, 64, torch.float16, device, seed=11)
-    out, lse = run_variant(variant, q, k, v, causal=True, scale=0.125, varlen_args=(cu_q, cu_k, 50))
+    out, lse = run_variant(variant, q, k, v, causal=True, scale=0.125, varlen=Varlen(cu_q, cu_k, 50, 61))
     ref, ref_lse = attention_varlen_reference(q, k, v, cu_q, cu_k, causal=True, scale=0.125)
     assert rel_err(out, ref) < REL_TOL[torch.float16]
     assert_lse(lse, ref_lse, torch.float16)

@@ -15,6 +15,7 @@ import torch
 import triton
 
 import tunegen
+from tunegen.calls.prefill import PrefillCall
 from tunegen.kernels import peers
 from tunegen.kernels.gpu import cuda_gpu, gpu_of
 from tunegen.kernels.problem import DTYPE_NAMES, Problem
@@ -56,12 +57,13 @@ def _default_variant(causal: bool) -> Callable:
     built: list[base.Kernel] = []
 
     def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        prefill_call = PrefillCall(q, k, v, causal, q.shape[-1] ** -0.5, return_lse=False)
+        out = torch.empty_like(q)
         if not built:
             family, gpu = get("prefill"), gpu_of(q.device)
-            problem = Problem(**tunegen.explain(q, k, v, causal=causal)["problem"])
+            problem = prefill_call.problem(out)
             built.append(base.build(family, family.default_variant(problem, gpu), problem, gpu))
-        out = torch.empty_like(q)
-        built[0].launch(q, k, v, out, None, q.shape[-1] ** -0.5)
+        built[0].launch(prefill_call.args(out, None))
         return out
 
     return call
