@@ -4,7 +4,9 @@ alternation, several rounds each, so that drift on the machine falls on both.
 
     python benchmarks/host_cost_ab.py OLD_TREE NEW_TREE [-r ROUNDS] [-o results.json]
 
-Each round runs, in a fresh process with that tree first on sys.path, the tree's own
+Each tree is first installed on its own (pip, no dependencies, into a temporary folder: the
+repository's top-level rooms become subpackages of `tunegen` only once installed); each round then
+runs, in a fresh process with that installation first on sys.path, the tree's own
 dispatch_overhead prefill and decode cases (not its suite rows).
 """
 
@@ -16,6 +18,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 
 CASES = {
     "prefill tiny (1x2x16x64), default": "prefill_case(1, 2, 16, 64, False)",
@@ -25,7 +28,7 @@ CASES = {
 }
 CHILD = """
 import json, sys
-sys.path[:0] = [{tree!r}, {tree!r} + "/benchmarks"]
+sys.path[:0] = [{site!r}, {tree!r} + "/benchmarks"]
 import dispatch_overhead as d
 out = {{}}
 for name, expr in {cases!r}.items():
@@ -35,8 +38,14 @@ print(json.dumps(out))
 """
 
 
-def run(tree: str) -> dict:
-    code = CHILD.format(tree=os.path.abspath(tree), cases=CASES)
+def install(tree: str, site: str) -> None:
+    """Install `tree` alone (no dependencies, no network) into the folder `site`."""
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index"]
+    subprocess.run([*pip, "--target", site, tree], check=True, capture_output=True)
+
+
+def run(tree: str, site: str) -> dict:
+    code = CHILD.format(tree=os.path.abspath(tree), site=site, cases=CASES)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -49,9 +58,13 @@ def main() -> None:
     ap.add_argument("-o", "--output")
     args = ap.parse_args()
     rounds = {"old": [], "new": []}
-    for _ in range(args.rounds):
-        for side in ("old", "new"):
-            rounds[side].append(run(getattr(args, side)))
+    with tempfile.TemporaryDirectory() as scratch:
+        sites = {side: os.path.join(scratch, side) for side in rounds}
+        for side, site in sites.items():
+            install(getattr(args, side), site)
+        for _ in range(args.rounds):
+            for side, site in sites.items():
+                rounds[side].append(run(getattr(args, side), site))
     print(f"{'case (µs per call, median of rounds)':48}{'old':>8}{'new':>8}{'new-old':>9}   part")
     summary = {}
     for case in CASES:
