@@ -2,12 +2,14 @@
 `benchmarks/dispatch_overhead.py` cases (public call, bound call, bare launch; see there), run in
 alternation, several rounds each, so that drift on the machine falls on both.
 
-    python benchmarks/host_cost_ab.py OLD_TREE NEW_TREE [-r ROUNDS] [-o results.json]
+    python benchmarks/host_cost_ab.py OLD_TREE NEW_TREE [-r ROUNDS] [--cpu N] [-o results.json]
 
 Each tree is first installed on its own (pip, no dependencies, into a temporary folder: the
 repository's top-level rooms become subpackages of `tunegen` only once installed); each round then
 runs, in a fresh process with that installation first on sys.path, the tree's own
-dispatch_overhead prefill and decode cases (not its suite rows).
+dispatch_overhead prefill and decode cases (not its suite rows), pinned to one core (`--cpu`):
+unpinned, the same tree's figures moved by half from one process to the next. The table gives the
+median and the least of the rounds.
 """
 
 from __future__ import annotations
@@ -44,9 +46,12 @@ def install(tree: str, site: str) -> None:
     subprocess.run([*pip, "--target", site, tree], check=True, capture_output=True)
 
 
-def run(tree: str, site: str) -> dict:
+def run(tree: str, site: str, cpu: int) -> dict:
     code = CHILD.format(tree=os.path.abspath(tree), site=site, cases=CASES)
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    pin = lambda: os.sched_setaffinity(0, {cpu})
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, preexec_fn=pin
+    )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -55,6 +60,7 @@ def main() -> None:
     ap.add_argument("old")
     ap.add_argument("new")
     ap.add_argument("-r", "--rounds", type=int, default=3)
+    ap.add_argument("--cpu", type=int, default=1, help="the core every round runs on")
     ap.add_argument("-o", "--output")
     args = ap.parse_args()
     rounds = {"old": [], "new": []}
@@ -64,15 +70,21 @@ def main() -> None:
             install(getattr(args, side), site)
         for _ in range(args.rounds):
             for side, site in sites.items():
-                rounds[side].append(run(getattr(args, side), site))
-    print(f"{'case (µs per call, median of rounds)':48}{'old':>8}{'new':>8}{'new-old':>9}   part")
+                rounds[side].append(run(getattr(args, side), site, args.cpu))
+    columns = ("part", "old", "new", "new-old", "least", "least", "new-old")
+    title = "µs per call: median of rounds, then least"
+    print(f"{title:44}" + "".join(f"{c:>9}" for c in columns))
     summary = {}
     for case in CASES:
         for part in ("public_us", "bound_us", "bare_us"):
-            old = statistics.median(r[case][part] for r in rounds["old"])
-            new = statistics.median(r[case][part] for r in rounds["new"])
-            summary[f"{case} {part}"] = {"old": old, "new": new}
-            print(f"{case:48}{old:8.2f}{new:8.2f}{new - old:+9.2f}   {part.removesuffix('_us')}")
+            old, new = ([r[case][part] for r in rounds[side]] for side in ("old", "new"))
+            row = {"old": statistics.median(old), "new": statistics.median(new)}
+            row.update({"old_least": min(old), "new_least": min(new)})
+            summary[f"{case} {part}"] = row
+            medians = (row["old"], row["new"], row["new"] - row["old"])
+            least = (row["old_least"], row["new_least"], row["new_least"] - row["old_least"])
+            cells = "".join(f"{x:9.2f}" for x in (*medians, *least))
+            print(f"{case:44}{part.removesuffix('_us'):>9}{cells}")
     if args.output:
         with open(args.output, "w") as fh:
             json.dump({"rounds": rounds, "median": summary}, fh, indent=1)
