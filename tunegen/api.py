@@ -12,7 +12,7 @@ from tunegen import eager, fp8_attention, ops
 from tunegen.backends import wants_grad
 from tunegen.backward import AttentionFunction
 from tunegen.calls.prefill import PrefillCall
-from tunegen.kernels import dispatch
+from tunegen.kernels import dispatch, launcher
 from tunegen.kernels.families import get
 from tunegen.kernels.families.base import applicable
 from tunegen.kernels.gpu import gpu_of
@@ -157,7 +157,12 @@ def attention(
     grad = wants_grad(q, k, v)
     key = None
     if not grad and not torch.compiler.is_compiling():
-        key, fast = eager.lookup(q, k, v, causal, return_lse)
+        # The launch key (see eager.run); here rather than in a function, which costs a call.
+        try:
+            key = (launcher.key_of(q, k, v), bool(causal), bool(return_lse))
+            fast = dispatch.fast_calls.get(key)
+        except (AttributeError, TypeError):  # not tensors, or unhashable: the checks say what is wrong
+            key = fast = None
         if fast is not None:
             return fast(q, k, v, scale)
     keep_lse = bool(return_lse) or grad
@@ -212,7 +217,7 @@ def _serve(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Run a checked prefill call on its path: its custom op while torch.compile traces, the autograd
     Function where autograd records (`grad`), the eager body otherwise (keeping the fast path under
-    `key`, see eager.lookup)."""
+    `key`, see eager.run)."""
     if torch.compiler.is_compiling():
         out, lse = ops.through_op(call)
     elif grad:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 
 from tunegen import checks
-from tunegen.calls.decode import DecodeCall
+from tunegen.calls.decode import DecodeCall, unit_descales
 from tunegen.kernels import dispatch, launcher
 from tunegen.kernels.gpu import gpu_of
 from tunegen.kernels.launch_args import DecodeArgs
@@ -113,15 +113,26 @@ def decode_attention(
 def _fast(bound: Callable[[DecodeArgs], None], call: DecodeCall) -> Callable[..., object]:
     """The whole of every later call with `call`'s launch key (see tunegen.kernels.launcher):
     outputs, the descales None stands for, the bound launch."""
-    ones = call.descales[0] if call.descales is not None else None
-    fp8_cache, return_lse, head_dim = ones is not None, call.return_lse, call.q.shape[-1]
+    q = call.q
+    ones = unit_descales(q.shape[0], call.k_cache.shape[2], q.device) if call.descales is not None else None
+    fp8_cache, return_lse, head_dim = ones is not None, call.return_lse, q.shape[-1]
     check_scale, empty_like, empty, f32 = checks.check_scale, torch.empty_like, torch.empty, torch.float32
+    default_scale = check_scale(None, head_dim)
 
     def fast(q, k_cache, v_cache, cache_seqlens, block_table, k, v, k_descale, v_descale, scale):
         out = empty_like(q)
         lse = empty((q.shape[0], q.shape[2], q.shape[1]), device=q.device, dtype=f32) if return_lse else None
         args = DecodeArgs(
-            q, k_cache, v_cache, cache_seqlens, out, lse, check_scale(scale, head_dim), block_table, k, v
+            q,
+            k_cache,
+            v_cache,
+            cache_seqlens,
+            out,
+            lse,
+            default_scale if scale is None else check_scale(scale, head_dim),
+            block_table,
+            k,
+            v,
         )
         if fp8_cache:
             args.k_descale = ones if k_descale is None else k_descale

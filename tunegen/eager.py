@@ -5,13 +5,12 @@ launched, or served by the PyTorch reference; and the fast path of `attention`'s
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
 from tunegen import checks
 from tunegen.calls.prefill import PrefillCall
-from tunegen.kernels import dispatch, launcher
+from tunegen.kernels import dispatch
 from tunegen.kernels.gpu import gpu_of
 from tunegen.kernels.launch_args import PrefillArgs
 
@@ -19,7 +18,12 @@ from tunegen.kernels.launch_args import PrefillArgs
 def run(call: PrefillCall, key: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The output and log-sum-exp (None unless `call.return_lse`) of `call`: the kernel dispatched
     for its Problem, or where no Triton kernel runs, the PyTorch reference. On CUDA, with a `key`
-    (`attention`'s launch key, see `lookup`), later calls of that key take the fast path."""
+    (`attention`'s launch key), later calls of that key take the fast path.
+
+    The key holds everything the checks, the Problem and the launch depend on (shapes, strides,
+    dtypes, devices, 16-byte alignment, flags: launcher.key_of of q, k, v, then causal and
+    return_lse), so that a later call whose tensors match skips all three and goes from one dict
+    lookup to the compiled kernel's launch."""
     backend = call.backend()
     if backend == "torch":
         out, lse = call.fallback()
@@ -36,31 +40,19 @@ def run(call: PrefillCall, key: tuple | None = None) -> tuple[torch.Tensor, torc
     return out, lse
 
 
-def lookup(q: object, k: object, v: object, causal: object, return_lse: object) -> tuple[tuple | None, Any]:
-    """`attention`'s launch key for these arguments, and the fast path kept under it or None.
-
-    On CUDA, a call whose tensors match an earlier call's in everything the checks, the Problem
-    and the launch depend on (shapes, strides, dtypes, devices, 16-byte alignment, flags) skips
-    all three and goes from this lookup to the compiled kernel's launch. Arguments that are not
-    tensors, or not hashable, have no key (the checks say what is wrong with them).
-    """
-    try:
-        key = (launcher.key_of(q, k, v), bool(causal), bool(return_lse))
-        return key, dispatch.fast_calls.get(key)
-    except (AttributeError, TypeError):
-        return None, None
-
-
 def _fast(bound: Callable[[PrefillArgs], None], call: PrefillCall) -> Callable[..., object]:
     """The whole of every later `attention` call with `call`'s launch key: outputs, the scale, the
     bound launch (see tunegen.kernels.launcher)."""
     return_lse, head_dim = call.return_lse, call.q.shape[-1]
     check_scale, empty_like, empty, f32 = checks.check_scale, torch.empty_like, torch.empty, torch.float32
+    default_scale = check_scale(None, head_dim)
 
     def fast(q, k, v, scale):
         out = empty_like(q)
         lse = empty(q.shape[:3], device=q.device, dtype=f32) if return_lse else None
-        bound(PrefillArgs(q, k, v, out, lse, check_scale(scale, head_dim)))
+        bound(
+            PrefillArgs(q, k, v, out, lse, default_scale if scale is None else check_scale(scale, head_dim))
+        )
         return (out, lse) if return_lse else out
 
     return fast

@@ -109,6 +109,15 @@ def test_public_decode_attention_over_an_fp8_cache(device):
     assert out.dtype == torch.bfloat16 and rel_err(out, ref) < REL_TOL[torch.bfloat16], (
         "descales default to 1"
     )
+    # One descale given, the other None: the None one is 1, on the first call and on the later
+    # calls of the same launch key (on CUDA, the fast path).
+    k_descale = torch.rand(2, 2, generator=gen).to(device) + 0.5
+    ref, _ = reference(
+        q, widened(k_cache, table, k_descale), widened(v_cache, table, ones), table, [40, 9], True, 32**-0.5
+    )
+    for _ in range(2):
+        out = tunegen.decode_attention(q, k_cache, v_cache, seqlens, block_table=table, k_descale=k_descale)
+        assert rel_err(out, ref) < REL_TOL[torch.bfloat16], "a descale not given is 1"
 
 
 @pytest.mark.parametrize("page_size", [None, 16])

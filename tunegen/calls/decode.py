@@ -202,7 +202,7 @@ class DecodeCall:
         )
         descales = None
         if k_cache.dtype == fp8.E4M3:
-            ones = _ones(q.shape[0], k_cache.shape[2], q.device)
+            ones = unit_descales(q.shape[0], k_cache.shape[2], q.device)
             descales = (ones if k_descale is None else k_descale, ones if v_descale is None else v_descale)
         resolved = checks.check_scale(scale, q.shape[-1])
         return cls(
@@ -344,7 +344,7 @@ def _one(device: torch.device) -> torch.Tensor:
     return torch.ones((1, 1), device=device, dtype=torch.float32)
 
 
-def _ones(batch: int, kv_heads: int, device: torch.device) -> torch.Tensor:
+def unit_descales(batch: int, kv_heads: int, device: torch.device) -> torch.Tensor:
     """The descales None stands for: read only, so one float of each device serves every call,
     expanded (strides 0) to (batch, kv_heads)."""
     return _one(device).expand(batch, kv_heads)

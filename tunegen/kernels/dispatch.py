@@ -59,7 +59,7 @@ class Choice:
 
 _CHOICES: dict[tuple[Problem, Gpu], Choice] = {}
 _LOCK = threading.Lock()
-# Calls' exact input signatures (see eager.lookup, decode.decode_attention) to the bound
+# Calls' exact input signatures (see api.attention, decode.decode_attention) to the bound
 # launch of the kernel their Problem got; the most recent launcher.CALL_CACHE_SIZE are kept.
 fast_calls = launcher.Calls()
 
