@@ -9,6 +9,10 @@ one machine's runs by a third, so run the two checkouts alternately on one machi
     python benchmarks/call_cost.py --label new -o new1.json
     python benchmarks/call_cost.py --summarize old1.json new1.json old2.json new2.json
 
+With `--issue`, a round times the host's issue of its calls alone: no synchronization inside the
+window, and rounds short enough that the launch queue never fills, so the GPU never sets the pace
+(benchmarks/host_cost_ab.py runs two checkouts so, alternately).
+
 Uses only the public functions, so that any release of tunegen can be measured.
 """
 
@@ -24,6 +28,8 @@ from pathlib import Path
 import torch
 
 ROUNDS, CALLS = 15, 500
+# --issue: more, shorter rounds (200 calls of at most two launches stay well inside the launch queue).
+ISSUE_ROUNDS, ISSUE_CALLS = 60, 200
 
 
 def _cases() -> dict[str, Callable[[], object]]:
@@ -55,20 +61,23 @@ def _cases() -> dict[str, Callable[[], object]]:
     }
 
 
-def measure() -> dict[str, dict[str, float]]:
-    """Microseconds per warm call of each case: the best round and the median one."""
+def measure(issue: bool = False) -> dict[str, dict[str, float]]:
+    """Microseconds per warm call of each case: the best round and the median one; with `issue`,
+    of the host's issue alone (rounds not closed by a synchronization)."""
+    rounds_n, calls = (ISSUE_ROUNDS, ISSUE_CALLS) if issue else (ROUNDS, CALLS)
     results = {}
     for name, call in _cases().items():
         for _ in range(200):
             call()
         rounds = []
-        for _ in range(ROUNDS):
+        for _ in range(rounds_n):
             torch.cuda.synchronize()
             start = time.perf_counter()
-            for _ in range(CALLS):
+            for _ in range(calls):
                 call()
-            torch.cuda.synchronize()
-            rounds.append((time.perf_counter() - start) / CALLS * 1e6)
+            if not issue:
+                torch.cuda.synchronize()
+            rounds.append((time.perf_counter() - start) / calls * 1e6)
         results[name] = {"best": min(rounds), "median": statistics.median(rounds)}
     return results
 
@@ -99,11 +108,12 @@ def main() -> None:
     ap.add_argument("--label", default="this")
     ap.add_argument("-o", "--output", default=None)
     ap.add_argument("--summarize", nargs="+", metavar="JSON", help="print the table of earlier runs")
+    ap.add_argument("--issue", action="store_true", help="time the host's issue of the calls alone")
     args = ap.parse_args()
     if args.summarize:
         print(summarize(args.summarize))
         return
-    results = {"label": args.label, "gpu": torch.cuda.get_device_name(), "us": measure()}
+    results = {"label": args.label, "gpu": torch.cuda.get_device_name(), "us": measure(args.issue)}
     print(json.dumps(results, indent=1))
     if args.output:
         Path(args.output).write_text(json.dumps(results, indent=1))

@@ -1,19 +1,18 @@
-"""The warm call's host cost of two trees of tunegen, A/B: the CPU time a public call takes to
-issue its launches, for each tree, in alternating fresh processes.
+"""The warm call's host cost of two trees of tunegen, A/B: `call_cost.py --issue`'s cases (the
+CPU time a public call takes to issue its launches), for each tree, in alternating fresh processes.
 
     python benchmarks/host_cost_ab.py OLD_TREE NEW_TREE [-r ROUNDS] [--cpu N] [-o results.json]
 
 Each tree is first installed on its own (pip, no dependencies, into a temporary folder: the
 repository's top-level rooms become subpackages of `tunegen` only once installed). Each round then
 runs each tree in a fresh process, the order alternating between rounds, with that installation
-first on sys.path (optionally pinned to core `--cpu`).
+first on sys.path (optionally pinned to core `--cpu`); both run this folder's call_cost.py, which
+uses only the public functions. A process's figure for a case is its least round.
 
-The figure is the host's alone: calls are issued back to back without a synchronization inside
-the timed window, in batches short enough that the launch queue never fills (so the GPU never
-holds the host back), and each case keeps the least of many batches. dispatch_overhead.py's
-`public_us` (calls closed by a synchronization) counts the GPU where it is slower than the host,
-and moved by several µs from one process to the next on the H100 machine: too coarse for an A/B
-of a few hundred nanoseconds. The table gives the median and the least over rounds.
+dispatch_overhead.py's `public_us` (calls closed by a synchronization) counts the GPU where it is
+slower than the host, and moved by several µs from one process to the next on the H100 machine:
+too coarse for an A/B of a few hundred nanoseconds. The table gives the median and the least over
+rounds.
 """
 
 from __future__ import annotations
@@ -26,40 +25,12 @@ import subprocess
 import sys
 import tempfile
 
+HERE = os.path.dirname(os.path.abspath(__file__))
 CHILD = """
-import json, sys, time
-sys.path[:0] = [{site!r}]
-import torch
-import tunegen
-
-def host_us(call, batch=200, batches=60):
-    for _ in range(3):
-        call()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(batches):
-        start = time.perf_counter()
-        for _ in range(batch):
-            call()
-        best = min(best, (time.perf_counter() - start) / batch)
-        torch.cuda.synchronize()
-    return best * 1e6
-
-bf16 = dict(device="cuda", dtype=torch.bfloat16)
-tiny = [torch.randn(1, 2, 16, 64, **bf16) for _ in range(3)]
-mid = [torch.randn(1, 16, 512, 128, **bf16) for _ in range(3)]
-q = torch.randn(1, 1, 32, 128, **bf16)
-caches = [torch.randn(1, 4096, 8, 128, **bf16) for _ in range(2)]
-lengths = torch.full((1,), 4095, dtype=torch.int32, device="cuda")
-k, v = (torch.randn(1, 1, 8, 128, **bf16) for _ in range(2))
-cases = {{
-    "prefill 1x2x16x64": lambda: tunegen.attention(*tiny),
-    "prefill 1x16x512x128 causal": lambda: tunegen.attention(*mid, causal=True),
-    "prefill 1x2x16x64 with lse": lambda: tunegen.attention(*tiny, return_lse=True),
-    "decode B=1 cache 4096": lambda: tunegen.decode_attention(q, *caches, lengths),
-    "decode B=1 cache 4096, appending": lambda: tunegen.decode_attention(q, *caches, lengths, k=k, v=v),
-}}
-print(json.dumps({{name: host_us(call) for name, call in cases.items()}}))
+import json, sys
+sys.path[:0] = [{site!r}, {here!r}]
+import call_cost
+print(json.dumps({{name: r["best"] for name, r in call_cost.measure(issue=True).items()}}))
 """
 
 
@@ -73,7 +44,7 @@ def run(site: str, cpu: int | None) -> dict[str, float]:
     """One process of one tree: the least host µs per call of each case."""
     pin = None if cpu is None else (lambda: os.sched_setaffinity(0, {cpu}))
     done = subprocess.run(
-        [sys.executable, "-c", CHILD.format(site=site)],
+        [sys.executable, "-c", CHILD.format(site=site, here=HERE)],
         capture_output=True,
         text=True,
         check=True,
