@@ -139,6 +139,28 @@ def candidates(head_dim: int, causal: bool) -> list[Variant]:
     return list(dict.fromkeys(out))
 
 
+WS_BASE = dict(dkdv_block_m=64, dkdv_block_n=128, num_warps=8, num_stages=2, schedule="ws")
+WS_KNOBS = [
+    {},
+    dict(num_stages=3),
+    dict(dq_write="atomic"),
+    dict(dq_write="atomic", deterministic=True),
+    dict(producer_regs=40),
+    dict(num_warps=4, dkdv_block_n=64),
+    dict(num_warps=4, dkdv_block_n=64, num_stages=3),
+    dict(dkdv_block_m=128),
+    dict(dkdv_block_m=128, num_warps=4, dkdv_block_n=64),
+]
+
+
+def ws_candidates(causal: bool) -> list[Variant]:
+    """The Hopper schedule's base (FlashAttention-3's head dim 128 tiles) and each knob changed;
+    for causal Problems each of those in the longest-first order too. The constraint drops those
+    that do not fit a head dim."""
+    orders = ["natural", "heaviest_first"] if causal else ["natural"]
+    return [Variant(**{**WS_BASE, **knob, "order": order}) for knob in WS_KNOBS for order in orders]
+
+
 def _problem(shape: Shape):
     return dataclasses.replace(shape.problem("bfloat16"), family="backward")
 
@@ -184,6 +206,19 @@ def _compile_and_check(args: tuple[Shape, str]) -> str | None:
 
 def label(v: dict) -> str:
     """A Variant in a few words."""
+    if v["schedule"] == "ws":
+        text = f"ws {v['dkdv_block_m']}x{v['dkdv_block_n']} w{v['num_warps']} s{v['num_stages']}"
+        text += f" dq-{v['dq_write']}"
+        extras = [
+            name
+            for name, on in (
+                ("deterministic", v["deterministic"]),
+                (f"producer{v['producer_regs']}", v["producer_regs"] != 24),
+                ("heaviest", v["order"] == "heaviest_first"),
+            )
+            if on
+        ]
+        return text + "".join(" " + e for e in extras)
     text = f"{v['load']} dkdv {v['dkdv_block_m']}x{v['dkdv_block_n']} w{v['num_warps']} s{v['num_stages']}"
     if v["dq_mode"] in ("separate", "concurrent"):
         text += f" dq {v['dq_block_m']}x{v['dq_block_n']}"
@@ -209,6 +244,7 @@ def main() -> None:
     ap.add_argument("--head-dims", default="64,128,256")
     ap.add_argument("--causal", default="both", choices=["both", "true", "false"])
     ap.add_argument("--peers", default=",".join(PEERS), help="of sdpa-cudnn, -flash, -efficient, flex")
+    ap.add_argument("--schedules", default="loops,ws", help="whose candidates to time: loops, ws or both")
     ap.add_argument("--workers", type=int, default=14)
     ap.add_argument("--hang-s", type=float, default=120.0, help="give up on a kernel that runs this long")
     ap.add_argument("-o", "--output", default=None)
@@ -229,7 +265,11 @@ def main() -> None:
     for shape in groups:
         problem = _problem(shape)
         defaults = [backward.FAMILY.default_variant(_problem(_sized(shape, n)), gpu) for n in seqlens]
-        for v in dict.fromkeys(defaults + candidates(shape.head_dim, shape.causal)):
+        schedules = args.schedules.split(",")
+        tried = candidates(shape.head_dim, shape.causal) if "loops" in schedules else []
+        tried += ws_candidates(shape.causal) if "ws" in schedules else []
+        loops = [backward.loops_default(_problem(_sized(shape, n)), gpu) for n in seqlens]
+        for v in dict.fromkeys(defaults + loops + tried):
             if backward.FAMILY.constraint(v, problem, gpu) is None:
                 jobs.append((shape, v.to_json()))
     print(f"{len(jobs)} kernels to build and check", flush=True)
@@ -315,7 +355,9 @@ def print_table(results: list[dict], groups: list[Shape], seqlens: list[int], gp
             default = backward.FAMILY.default_variant(_problem(_sized(shape0, n)), gpu).as_dict()
             dflt = next((r["tflops"] for r in mine if r["variant"] == default), 0)
             line = f"  N={n:5d} " + " ".join(f"{k} {val:4.0f}" for k, val in peer.items())
-            line += f" | default {dflt:4.0f}"
+            loops = backward.loops_default(_problem(_sized(shape0, n)), gpu).as_dict()
+            looped = next((r["tflops"] for r in mine if r["variant"] == loops), 0)
+            line += f" | default {dflt:4.0f} loops {looped:4.0f}"
             if mine:
                 cudnn = peer.get("sdpa-cudnn")
                 ratio = mine[0]["tflops"] / cudnn if cudnn else float("nan")

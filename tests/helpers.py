@@ -8,10 +8,11 @@ import torch
 from conftest import NEEDS_GPU, NEEDS_INTERPRETER
 
 from tunegen.backends import backend_for
+from tunegen.calls.backward import BackwardCall
 from tunegen.calls.decode import DecodeCall
 from tunegen.calls.prefill import PrefillCall, Varlen
 from tunegen.kernels.database import gpu_record
-from tunegen.kernels.families import base, decode, prefill
+from tunegen.kernels.families import backward, base, decode, prefill
 from tunegen.kernels.gpu import gpu_of, interpreter_gpu
 from tunegen.kernels.reference import attention_reference
 from tunegen.tuning_db import Store, WinnerRecord
@@ -56,6 +57,18 @@ def run_variant(
     kernel = base.build(prefill.FAMILY, variant, call.problem(out), gpu_of(q.device))
     kernel.launch(call.args(out, lse))
     return out, lse
+
+
+def run_backward_variant(variant, q, k, v, dout, *, causal, scale, varlen: Varlen | None = None, dlse=None):
+    """Run one backward Variant's kernels directly on the float64 reference's output and
+    log-sum-exp, into gradients poisoned with NaN."""
+    forward = PrefillCall(q, k, v, causal, scale, True, varlen=varlen)
+    out, lse = forward.reference()
+    call = BackwardCall(forward, out.to(q.dtype), lse.float(), dout, dlse)
+    kernel = base.build(backward.FAMILY, variant, call.problem(), gpu_of(q.device))
+    grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+    kernel.launch(call.args(*grads))
+    return grads
 
 
 def run_decode_variant(

@@ -30,6 +30,8 @@ CASES = [
 # checked release; the kernels below that spill today (float32 prefill at head dim 128, the
 # backward's dK/dV pass at 80, 128 and 256) are reported by benchmarks/results/issue28_h100.md.
 SPILL_BOUND = 64
+# The backward's Hopper schedule within its register constraint (families/backward_ws.py).
+WS_BACKWARD_SPILL_BOUND = 256
 
 
 def _job(gpu, problem, variant=None):
@@ -98,7 +100,7 @@ def test_backward_kernels_compile_for_hopper():
     jobs = []
     for dtype, d, causal, varlen, dq_mode, kernels in cases:
         problem = Problem("backward", dtype, d, causal, 32, 8, 2, 4096, 4096, varlen=varlen)
-        variant = family.default_variant(problem, gpu)
+        variant = backward.loops_default(problem, gpu)
         if dq_mode == "atomic":
             variant = variant.replace(
                 dq_mode=dq_mode, dq_block_m=variant.dkdv_block_m, dq_block_n=variant.dkdv_block_n
@@ -111,6 +113,32 @@ def test_backward_kernels_compile_for_hopper():
         assert 0 < report.shared_bytes <= gpu.smem_per_block
         if job.kernel != "dkdv":
             assert report.local_bytes is not None and report.local_bytes <= SPILL_BOUND, job.kernel
+
+
+def test_backward_hopper_schedule_compiles_within_its_constraint():
+    """The backward's Hopper schedule (its default at head dims 64 and 128, causal and not, GQA;
+    dQ by atomics, deterministic) and its row-wise kernels compile for sm_90 on the installed
+    release, within shared memory and the spill bound its register constraint was calibrated to."""
+    gpu = dataclasses.replace(TARGETS["hopper"], triton_version=triton.__version__)
+    family = backward.FAMILY
+    jobs = []
+    for d, causal, changes in (
+        (128, True, {}),
+        (64, False, {}),
+        (128, False, {"dq_write": "atomic", "deterministic": True}),
+    ):
+        problem = Problem("backward", "bfloat16", d, causal, 32, 8, 2, 4096, 4096)
+        variant = family.default_variant(problem, gpu).replace(**changes)
+        assert variant.schedule == "ws" and family.constraint(variant, problem, gpu) is None
+        rendered = render(family.template, "backward", variant, family.features(problem, gpu))
+        jobs += [
+            CompileJob(rendered, "bfloat16", gpu.capability, kernel)
+            for kernel in ("preprocess", "main", "postprocess")
+        ]
+    for job, report in zip(jobs, compile_many(jobs, workers=2), strict=True):
+        assert report.error is None, (job.kernel, job.rendered.source.splitlines()[3], report.error)
+        assert report.shared_bytes <= gpu.smem_per_block and (job.kernel != "main" or report.shared_bytes > 0)
+        assert report.local_bytes is not None and report.local_bytes <= WS_BACKWARD_SPILL_BOUND, job.kernel
 
 
 def test_fp8_variants_compile_for_hopper_with_e4m3_tensor_cores():

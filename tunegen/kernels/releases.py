@@ -24,7 +24,7 @@ COMPILE_OPTIONS = {"enable_fp_fusion": True}
 
 # The oldest release of each schedule that needs more than the range's oldest (Gluon's Hopper
 # API as of 3.6); the others run on every release that runs tunegen.
-SCHEDULES = {"ws": (3, 6)}
+SCHEDULES = {"ws": (3, 6)}  # the prefill and backward families' Hopper schedules
 
 
 def version(text: str) -> tuple[int, int]:
@@ -58,6 +58,17 @@ class Release:
     def tma_store(self) -> str:
         """Gluon's TMA copy out of shared memory: `async_store` from 3.8."""
         return "async_store" if self.version >= (3, 8) else "async_copy_shared_to_global"
+
+    @property
+    def tma_reduce_helper(self) -> bool:
+        """Whether Gluon lacks a public TMA reduce-add (before 3.9): templates then define one over
+        the builder op (`create_async_tma_reduce`) that 3.6 to 3.8 already have."""
+        return self.version < (3, 9)
+
+    @property
+    def tma_reduce(self) -> str:
+        """Gluon's TMA reduce-add of a shared-memory tile into global memory, as a template calls it."""
+        return "_tma_reduce_add" if self.tma_reduce_helper else "tma.async_atomic_add"
 
     @property
     def ws_spare_registers(self) -> int:

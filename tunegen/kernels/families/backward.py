@@ -1,11 +1,15 @@
-"""The backward family: FlashAttention-2 style gradients of prefill attention (dQ, dK, dV)."""
+"""The backward family: gradients of prefill attention (dQ, dK, dV), in two schedules:
+FlashAttention-2's loops in Triton (every GPU and the interpreter) and FlashAttention-3's
+warp-specialized Hopper schedule in Gluon (sm_90)."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, ClassVar
 
+from tunegen.kernels.families.backward_ws import WS_KNOBS, ws_constraint, ws_default
 from tunegen.kernels.families.operands import block_d, check_descriptors, dot_precision, load_paths
+from tunegen.kernels.families.prefill_ws import check_ws
 from tunegen.kernels.gpu import Gpu
 from tunegen.kernels.problem import Problem
 from tunegen.kernels.variant import Variant
@@ -13,6 +17,17 @@ from tunegen.kernels.variant import Variant
 DQ_MODES = ("separate", "concurrent", "atomic", "partial")
 LOADS = ("ptr", "desc")
 ORDERS = ("natural", "heaviest_first")
+SCHEDULES = ("loops", "ws")
+LOOP_KNOBS = (
+    "dq_block_m",
+    "dq_block_n",
+    "dq_mode",
+    "dq_num_warps",
+    "dq_num_stages",
+    "fuse_delta",
+    "load",
+    "persistent",
+)
 TILES = (16, 32, 64, 128, 256)
 WARPS = (1, 2, 4, 8, 16)
 # Float32 accumulator and score values per thread past which a pass spills registers.
@@ -23,7 +38,7 @@ PARTIAL_BYTES_MAX = 2 * 2**30
 
 @dataclasses.dataclass(frozen=True)
 class BackwardVariant(Variant):
-    """Knobs of templates/attention_bwd.py.j2 (its glossary says what each does).
+    """Knobs of templates/attention_bwd.py.j2 (its sections' glossaries say what each does).
 
     dkdv_block_m, dkdv_block_n, num_warps, num_stages: the dK/dV pass (the query tile walked, the
     key tile kept resident, Triton's launch knobs). dq_block_m, dq_block_n, dq_num_warps,
@@ -34,6 +49,16 @@ class BackwardVariant(Variant):
     delta (rowsum dO·O) itself and runs first, in place of the preprocess launch. load: "ptr" or
     "desc" (tensor descriptors: TMA on Hopper). order: "heaviest_first" runs the tiles with the
     most work under a causal mask first. persistent: one program per resident slot, looping.
+
+    schedule: "loops" (the knobs above) or "ws", FlashAttention-3's warp-specialized Hopper
+    schedule, which keeps a tile of dkdv_block_n keys per program and walks query tiles of
+    dkdv_block_m rows (64 or 128 each) with num_warps / 4 consumer warpgroups (4 or 8 warps) and a
+    ring of num_stages (2 to 4) Q and dO slots, in `order`; its own knobs: dq_write, "tma" (dQ
+    added into float32 by TMA reduce-add from shared memory) or "atomic" (atomic adds from
+    registers); deterministic, the adds into each query tile take turns in key-tile order, so the
+    same inputs give the same bits (with "atomic" writes); producer_regs, the TMA producer warp's
+    registers per thread (the consumers share the rest). Knobs that do not apply to a schedule
+    keep their defaults, so that two different Variants are always two different kernels.
     """
 
     family: ClassVar[str] = "backward"
@@ -51,6 +76,10 @@ class BackwardVariant(Variant):
     load: str = "ptr"
     order: str = "natural"
     persistent: bool = False
+    schedule: str = "loops"
+    dq_write: str = "tma"
+    deterministic: bool = False
+    producer_regs: int = 24
 
     def __post_init__(self) -> None:
         for name in ("dkdv_block_m", "dkdv_block_n", "dq_block_m", "dq_block_n"):
@@ -62,7 +91,13 @@ class BackwardVariant(Variant):
         for name in ("num_stages", "dq_num_stages"):
             if not 1 <= getattr(self, name) <= 8:
                 raise ValueError(f"{name}: expected 1 to 8, got {getattr(self, name)}")
-        for name, allowed in (("dq_mode", DQ_MODES), ("load", LOADS), ("order", ORDERS)):
+        for name, allowed in (
+            ("dq_mode", DQ_MODES),
+            ("load", LOADS),
+            ("order", ORDERS),
+            ("schedule", SCHEDULES),
+            ("dq_write", ("tma", "atomic")),
+        ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}: expected one of {allowed}, got {getattr(self, name)!r}")
         if self.fuse_delta and self.dq_mode != "separate":
@@ -70,6 +105,66 @@ class BackwardVariant(Variant):
                 f"fuse_delta: the dQ pass computes delta only in its own launch before the dK/dV "
                 f"pass (dq_mode 'separate'), not with dq_mode {self.dq_mode!r}"
             )
+        fields = BackwardVariant.__dataclass_fields__
+        kept, schedule = (LOOP_KNOBS, "loops") if self.schedule == "ws" else (WS_KNOBS, "ws")
+        for name in kept:
+            if getattr(self, name) != fields[name].default:
+                raise ValueError(
+                    f"{name}: a knob of schedule {schedule!r}; schedule {self.schedule!r} keeps its default"
+                )
+        if self.schedule == "ws":
+            self._check_ws()
+
+    def _check_ws(self) -> None:
+        if self.dkdv_block_m not in (64, 128) or self.dkdv_block_n not in (64, 128):
+            raise ValueError(
+                f"dkdv_block_m, dkdv_block_n: schedule 'ws' takes 64 or 128 of each, "
+                f"got {self.dkdv_block_m} x {self.dkdv_block_n}"
+            )
+        if self.num_warps not in (4, 8):
+            raise ValueError(
+                f"num_warps: schedule 'ws' takes 4 or 8 (one or two warpgroups), got {self.num_warps}"
+            )
+        if self.dkdv_block_n < 16 * self.num_warps:
+            raise ValueError(
+                f"dkdv_block_n: each of {self.num_warps // 4} warpgroups takes 64 keys at least, "
+                f"got {self.dkdv_block_n}"
+            )
+        if not 2 <= self.num_stages <= 4:
+            raise ValueError(f"num_stages: schedule 'ws' takes a ring of 2 to 4 slots, got {self.num_stages}")
+        if self.deterministic and self.dq_write != "atomic":
+            raise ValueError(
+                "deterministic: takes dq_write 'atomic' (a TMA reduce-add may still be in flight when the "
+                "next key tile's turn comes)"
+            )
+        if self.producer_regs not in (24, 32, 40):
+            raise ValueError(f"producer_regs: expected 24, 32 or 40, got {self.producer_regs}")
+
+
+def loops_default(problem: Problem, gpu: Gpu) -> BackwardVariant:
+    """FlashAttention-2's loops, hand-picked per GPU class and head dim: the default wherever the
+    Hopper schedule does not run.
+
+    Hopper, from benchmarks/backward_defaults.py on an H100 (bf16, N = 1k, 4k and 16k; see
+    benchmarks/results/backward_h100.md): FlexAttention's tiles (64 x 128 for dK/dV, 128 x 64
+    for dQ, 8 warps, 3 stages, pointer loads) at head dim 128 and for causal head dim 64;
+    64 x 64 tiles with 4 warps through tensor descriptors for non-causal head dim 64; at head
+    dim 256, 64 x 64 and 128 x 32 with 8 warps and 2 stages through descriptors (the first
+    spills a little, and still ran 1.4x the spill-free 32 x 64). The rest are conservative
+    choices that fit the shared memory and registers of their class.
+    """
+    d = block_d(problem.head_dim)
+    if gpu.arch == "interpreter" or problem.dtype == "float32":
+        return BackwardVariant(32, 32, 32, 32, num_warps=4, num_stages=1, dq_num_warps=4, dq_num_stages=1)
+    if gpu.arch in ("hopper", "blackwell"):
+        load = "desc" if problem.aligned else "ptr"
+        if d <= 64 and not problem.causal:
+            return BackwardVariant(64, 64, 64, 64, 4, 3, dq_num_warps=4, dq_num_stages=3, load=load)
+        if d <= 128:
+            return BackwardVariant(64, 128, 128, 64, 8, 3, dq_num_warps=8, dq_num_stages=3)
+        return BackwardVariant(64, 64, 128, 32, 8, 2, dq_num_warps=8, dq_num_stages=2, load=load)
+    warps = 4 if d <= 128 else 8
+    return BackwardVariant(32, 64, 64, 32, warps, 2, dq_num_warps=warps, dq_num_stages=2)
 
 
 class BackwardFamily:
@@ -77,6 +172,8 @@ class BackwardFamily:
     template = "attention_bwd.py.j2"
     variant_type = BackwardVariant
     conditions: ClassVar[dict[str, tuple[str, tuple]]] = {
+        **{k: ("schedule", ("loops",)) for k in ("dq_mode", "load", "persistent")},
+        **{k: ("schedule", ("ws",)) for k in WS_KNOBS},
         "dq_block_m": ("dq_mode", ("separate", "concurrent")),
         "dq_block_n": ("dq_mode", ("separate", "concurrent")),
         "dq_num_warps": ("dq_mode", ("separate",)),
@@ -98,13 +195,17 @@ class BackwardFamily:
     def check_variant(self, variant: Variant, problem: Problem, gpu: Gpu) -> None:
         if not isinstance(variant, BackwardVariant):
             raise ValueError(f"variant: expected a BackwardVariant, got {type(variant).__name__}")
+        if variant.schedule == "ws":
+            check_ws(problem, gpu, fallback="loops")
         if variant.load == "desc":
             check_descriptors(problem, gpu)
 
     def search_space(self, problem: Problem, gpu: Gpu) -> dict[str, list]:
-        """The knobs the tuner searches, dq_mode first (the dQ pass's knobs apply only where it has
-        one: see `conditions`). Each pass keeps one tile resident and walks the other: the dK/dV
-        pass a tall key tile over short query tiles, the dQ pass the reverse (as in
+        """The knobs the tuner searches, the schedule first, then dq_mode (the dQ pass's knobs apply
+        only where it has one; each schedule's own knobs only to it: see `conditions`). The Hopper
+        schedule joins where it runs; deterministic adds are a user's choice, never searched. Each
+        loop pass keeps one tile resident and walks the other: the dK/dV pass a tall key tile over
+        short query tiles, the dQ pass the reverse (as in
         FlashAttention-2), so resident and walked sizes are two lists. Knobs that cannot matter
         are pinned: the program order for non-causal Problems, descriptors where the inputs or the
         GPU do not allow them."""
@@ -115,9 +216,16 @@ class BackwardFamily:
         else:
             resident, walked, warps, stages = [64, 128], [32, 64], [4, 8], [1, 2, 3, 4]
         loads = load_paths(problem, gpu)
-        return {
+        schedules = ["loops"]
+        try:
+            check_ws(problem, gpu, fallback="loops")
+            schedules.append("ws")
+        except ValueError:
+            pass
+        space: dict[str, list] = {
+            "schedule": schedules,
             "dq_mode": list(DQ_MODES),
-            "dkdv_block_m": walked,
+            "dkdv_block_m": walked if schedules == ["loops"] else sorted({*walked, 64, 128}),
             "dkdv_block_n": resident,
             "num_warps": warps,
             "num_stages": stages,
@@ -130,6 +238,9 @@ class BackwardFamily:
             "order": list(ORDERS) if problem.causal else ["natural"],
             "persistent": [False, True],
         }
+        if "ws" in schedules:
+            space.update(dq_write=["tma", "atomic"], deterministic=[False], producer_regs=[24, 40])
+        return space
 
     def constraint(self, variant: BackwardVariant, problem: Problem, gpu: Gpu) -> str | None:
         """Why `variant` should not be compiled for `problem` on `gpu`; None if it may.
@@ -146,6 +257,8 @@ class BackwardFamily:
             self.check_variant(variant, problem, gpu)
         except ValueError as exc:
             return str(exc)
+        if variant.schedule == "ws":
+            return ws_constraint(variant, problem, gpu)
         if variant.dq_mode == "partial":
             slices = -(-problem.seqlen_k // variant.dkdv_block_n)
             size = slices * problem.batch * problem.num_heads_q * problem.seqlen_q * problem.head_dim * 4
@@ -178,28 +291,13 @@ class BackwardFamily:
         return None
 
     def default_variant(self, problem: Problem, gpu: Gpu) -> BackwardVariant:
-        """Hand-picked per GPU class and head dim until tuned Winners exist.
-
-        Hopper, from benchmarks/backward_defaults.py on an H100 (bf16, N = 1k, 4k and 16k; see
-        benchmarks/results/backward_h100.md): FlexAttention's tiles (64 x 128 for dK/dV, 128 x 64
-        for dQ, 8 warps, 3 stages, pointer loads) at head dim 128 and for causal head dim 64;
-        64 x 64 tiles with 4 warps through tensor descriptors for non-causal head dim 64; at head
-        dim 256, 64 x 64 and 128 x 32 with 8 warps and 2 stages through descriptors (the first
-        spills a little, and still ran 1.4x the spill-free 32 x 64). The rest are conservative
-        choices that fit the shared memory and registers of their class.
-        """
-        d = block_d(problem.head_dim)
-        if gpu.arch == "interpreter" or problem.dtype == "float32":
-            return BackwardVariant(32, 32, 32, 32, num_warps=4, num_stages=1, dq_num_warps=4, dq_num_stages=1)
-        if gpu.arch in ("hopper", "blackwell"):
-            load = "desc" if problem.aligned else "ptr"
-            if d <= 64 and not problem.causal:
-                return BackwardVariant(64, 64, 64, 64, 4, 3, dq_num_warps=4, dq_num_stages=3, load=load)
-            if d <= 128:
-                return BackwardVariant(64, 128, 128, 64, 8, 3, dq_num_warps=8, dq_num_stages=3)
-            return BackwardVariant(64, 64, 128, 32, 8, 2, dq_num_warps=8, dq_num_stages=2, load=load)
-        warps = 4 if d <= 128 else 8
-        return BackwardVariant(32, 64, 64, 32, warps, 2, dq_num_warps=warps, dq_num_stages=2)
+        """Until tuned Winners exist: the Hopper schedule wherever it runs (`ws_default`), else
+        FlashAttention-2's loops (`loops_default`)."""
+        try:
+            check_ws(problem, gpu, fallback="loops")
+        except ValueError:
+            return loops_default(problem, gpu)
+        return ws_default(problem, gpu, BackwardVariant)
 
     def measure(self, problem: Problem) -> tuple[str, float]:
         """FLOPs as FlashAttention counts the backward: 2.5 times the forward's."""

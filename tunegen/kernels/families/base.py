@@ -81,14 +81,16 @@ class Family(Protocol):
 def choose(family: Family, space: dict[str, list], pick: Callable[[str, list], Any]) -> dict[str, Any]:
     """One point of a search space: `pick` chooses each knob's value in the space's order, except
     knobs that do not apply given the values chosen before them (the family's conditions), which
-    keep their defaults."""
+    keep their defaults; a knob whose parent does not apply does not apply either."""
     defaults = family.variant_type()
     chosen: dict[str, Any] = {}
+    skipped: set[str] = set()
     for name, values in space.items():
         condition = family.conditions.get(name)
         if condition is not None:
             parent, allowed = condition
-            if chosen.get(parent, getattr(defaults, parent)) not in allowed:
+            if parent in skipped or chosen.get(parent, getattr(defaults, parent)) not in allowed:
+                skipped.add(name)
                 continue
         chosen[name] = pick(name, values)
     return chosen

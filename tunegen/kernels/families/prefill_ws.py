@@ -12,11 +12,12 @@ from tunegen.kernels.variant import Variant
 WS_HEAD_DIMS = (64, 128)
 
 
-def check_ws(problem: Problem, gpu: Gpu) -> None:
+def check_ws(problem: Problem, gpu: Gpu, fallback: str = "fa2") -> None:
     """Where schedule "ws" runs: Hopper's wgmma and TMA (sm_90; not the interpreter, which cannot
     run Gluon), Gluon as of Triton 3.6, 16-bit inputs or FP8 (at the head dims where the release
     compiles it without spilling, `Release.ws_fp8_head_dims`) whose rows TMA can address, head dims
-    its register budget was sized for, and dense batches (varlen takes schedule "fa2")."""
+    its register budget was sized for, and dense batches. The errors name the family's other
+    schedule, `fallback`, which runs the rest (the backward family's is "loops")."""
     if gpu.backend != "cuda" or gpu.capability != (9, 0):
         where = "Triton's interpreter" if gpu.backend == "interpreter" else f"{gpu.name} {gpu.capability}"
         raise ValueError(f"variant.schedule: 'ws' needs a Hopper GPU (sm_90), not {where}")
@@ -25,16 +26,17 @@ def check_ws(problem: Problem, gpu: Gpu) -> None:
     if problem.fp8 and problem.head_dim not in release.ws_fp8_head_dims:
         raise ValueError(
             f"variant.schedule: 'ws' takes no FP8 at head dim {problem.head_dim} on Triton {release.name}, "
-            "which spills its e4m3 tiles there ('fa2' runs it)"
+            f"which spills its e4m3 tiles there ({fallback!r} runs it)"
         )
     if problem.dtype not in ("float16", "bfloat16"):
         raise ValueError(f"variant.schedule: 'ws' takes float16 or bfloat16 inputs, got {problem.dtype}")
     if problem.head_dim not in WS_HEAD_DIMS:
         raise ValueError(
-            f"variant.schedule: 'ws' takes head dims {WS_HEAD_DIMS}, got {problem.head_dim} ('fa2' runs it)"
+            f"variant.schedule: 'ws' takes head dims {WS_HEAD_DIMS}, got {problem.head_dim} "
+            f"({fallback!r} runs it)"
         )
     if problem.varlen:
-        raise ValueError("variant.schedule: 'ws' runs dense batches; varlen takes 'fa2'")
+        raise ValueError(f"variant.schedule: 'ws' runs dense batches; varlen takes {fallback!r}")
     if not problem.aligned:
         raise ValueError("variant.schedule: 'ws' loads by TMA, which needs 16-byte aligned bases and strides")
 

@@ -1,0 +1,184 @@
+"""The backward family's Hopper schedule ("ws"): where it runs and where it refuses, its knobs and
+constraints (CPU); on an sm_90 GPU every knob against float64 gradients at ragged sizes with GQA,
+both causal alignments and a log-sum-exp gradient, into poisoned gradients, and deterministic
+runs giving the same bits.
+
+Gluon kernels do not run under Triton's interpreter, so the CPU checks stop at the Variant, the
+family's rules and the offline sm_90 compile (test_compile.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import triton
+from conftest import HAS_CUDA, INTERPRETING
+
+from helpers import assert_grads, qkv_dout, reference_grads, run_backward_variant
+from tunegen.kernels.families import backward, base
+from tunegen.kernels.gpu import Gpu, interpreter_gpu
+from tunegen.kernels.problem import Problem
+from tunegen.kernels.reference import attention_reference
+
+Variant = backward.BackwardVariant
+WS = Variant(64, 128, num_warps=8, num_stages=2, schedule="ws")
+H100 = Gpu("NVIDIA H100 80GB HBM3", (9, 0), 132, 232448, "3.6.0", "2.11", "cuda")
+INSTALLED = dataclasses.replace(H100, triton_version=triton.__version__)
+PROBLEM = Problem("backward", "bfloat16", 128, True, 16, 4, 2, 4096, 4096)
+HOPPER = pytest.mark.skipif(
+    not (HAS_CUDA and not INTERPRETING and torch.cuda.get_device_capability() == (9, 0)),
+    reason="needs an sm_90 GPU, compiled kernels",
+)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"dkdv_block_m": 32}, "schedule 'ws' takes 64 or 128 of each"),
+        ({"num_warps": 2}, "num_warps: schedule 'ws' takes 4 or 8"),
+        ({"dkdv_block_n": 64}, "each of 2 warpgroups takes 64 keys at least"),
+        ({"num_stages": 1}, "num_stages: schedule 'ws' takes a ring of 2 to 4"),
+        ({"deterministic": True}, "deterministic: takes dq_write 'atomic'"),
+        ({"producer_regs": 48}, "producer_regs: expected 24, 32 or 40"),
+        ({"dq_mode": "atomic"}, "dq_mode: a knob of schedule 'loops'"),
+        ({"load": "desc"}, "load: a knob of schedule 'loops'"),
+        ({"schedule": "fa3"}, "schedule: expected one of"),
+        ({"dq_write": "store"}, "dq_write: expected one of"),
+    ],
+)
+def test_ws_variant_rejects_knobs_that_do_not_apply(changes, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(WS, **changes)
+
+
+def test_loop_variants_keep_the_ws_knobs_at_their_defaults():
+    with pytest.raises(ValueError, match="dq_write: a knob of schedule 'ws'"):
+        Variant(dq_write="atomic")
+    with pytest.raises(ValueError, match="deterministic: a knob of schedule 'ws'"):
+        Variant(deterministic=True)
+    assert Variant().schedule == "loops" and backward.FAMILY.constraint(WS, PROBLEM, H100) is None
+
+
+@pytest.mark.parametrize(
+    ("problem", "gpu", "message"),
+    [
+        (PROBLEM, interpreter_gpu(), "needs a Hopper GPU \\(sm_90\\), not Triton's interpreter"),
+        (PROBLEM, dataclasses.replace(H100, name="A100", capability=(8, 0)), "not A100 \\(8, 0\\)"),
+        (PROBLEM, dataclasses.replace(H100, triton_version="3.5.1"), "Triton >= 3.6, not 3.5"),
+        (dataclasses.replace(PROBLEM, dtype="float32"), H100, "takes float16 or bfloat16"),
+        (
+            dataclasses.replace(PROBLEM, head_dim=96),
+            H100,
+            "takes head dims \\(64, 128\\), got 96 \\('loops' runs",
+        ),
+        (dataclasses.replace(PROBLEM, varlen=True), H100, "varlen takes 'loops'"),
+        (dataclasses.replace(PROBLEM, aligned=False), H100, "16-byte aligned"),
+    ],
+)
+def test_ws_refuses_what_it_cannot_run_by_name(problem, gpu, message):
+    with pytest.raises(ValueError, match=r"variant\.schedule: 'ws' " + ".*" + message):
+        backward.FAMILY.check_variant(WS, problem, gpu)
+
+
+def test_ws_space_on_hopper_only_and_searched_apart_from_the_loops():
+    space = backward.FAMILY.search_space(PROBLEM, H100)
+    assert space["schedule"] == ["loops", "ws"] and space["deterministic"] == [False]
+    assert backward.FAMILY.search_space(PROBLEM, interpreter_gpu())["schedule"] == ["loops"]
+    ws = base.choose(backward.FAMILY, space, lambda name, values: values[-1])
+    assert ws["schedule"] == "ws" and "dq_mode" not in ws and "dq_block_m" not in ws and "load" not in ws
+    loops = base.choose(backward.FAMILY, space, lambda name, values: values[0])
+    assert "dq_write" not in loops and loops["dq_block_m"] == space["dq_block_m"][0]
+
+
+def test_ws_is_the_hopper_default_where_it_runs():
+    assert backward.FAMILY.default_variant(PROBLEM, H100).schedule == "ws"
+    d96 = dataclasses.replace(PROBLEM, head_dim=96)
+    assert backward.FAMILY.default_variant(d96, H100).schedule == "loops"
+    for d in (64, 128):
+        problem = dataclasses.replace(PROBLEM, head_dim=d)
+        assert (
+            backward.FAMILY.constraint(backward.FAMILY.default_variant(problem, H100), problem, H100) is None
+        )
+
+
+@pytest.mark.parametrize(
+    ("d", "changes", "reason"),
+    [
+        (128, {}, None),
+        (128, {"num_stages": 3}, None),
+        (128, {"num_stages": 4}, "shared memory"),
+        (64, {"dkdv_block_m": 64}, None),
+        (64, {"dkdv_block_m": 128}, "registers"),
+        (128, {"num_warps": 4, "dkdv_block_n": 64}, None),
+        (128, {"num_warps": 4}, "registers"),
+    ],
+)
+def test_ws_constraint(d, changes, reason):
+    found = backward.FAMILY.constraint(
+        dataclasses.replace(WS, **changes), dataclasses.replace(PROBLEM, head_dim=d), H100
+    )
+    assert (found is None) if reason is None else (reason in found), found
+
+
+# --- on the GPU -----------------------------------------------------------------------------
+
+KNOBS = [
+    WS,
+    dataclasses.replace(WS, num_stages=3),
+    dataclasses.replace(WS, dq_write="atomic"),
+    dataclasses.replace(WS, dq_write="atomic", deterministic=True),
+    dataclasses.replace(WS, order="heaviest_first", producer_regs=40),
+    dataclasses.replace(WS, num_warps=4, dkdv_block_n=64),
+    dataclasses.replace(WS, dkdv_block_m=128, num_warps=4, dkdv_block_n=64),
+]
+
+
+@pytest.mark.gpu
+@HOPPER
+@pytest.mark.parametrize("variant", KNOBS, ids=lambda v: v.to_json())
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(("nq", "nk"), [(333, 333), (200, 517), (517, 190)], ids=str)
+@pytest.mark.parametrize("d", [64, 128])
+def test_every_ws_knob_against_float64(variant, causal, nq, nk, d):
+    """Ragged lengths (no multiple of any tile), GQA, batch 2, both causal alignments (with nq >
+    nk, queries that see no key), a gradient of the log-sum-exp too."""
+    problem = dataclasses.replace(PROBLEM, head_dim=d, causal=causal)
+    if backward.FAMILY.constraint(variant, problem, INSTALLED):
+        pytest.skip("outside the constraint at this head dim on this Triton")
+    q, k, v, dout = qkv_dout(2, 4, 2, nq, nk, d, torch.bfloat16, "cuda", seed=nq + nk + d)
+    dlse = torch.randn(q.shape[:3], generator=torch.Generator().manual_seed(nq)).cuda()
+    grads = run_backward_variant(variant, q, k, v, dout, causal=causal, scale=0.3, dlse=dlse)
+    forward = lambda q, k, v: attention_reference(q, k, v, causal=causal, scale=0.3)
+    assert_grads(grads, reference_grads(forward, (q, k, v), dout, dlse), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@HOPPER
+@pytest.mark.parametrize(
+    ("batch", "hq", "hkv", "nq", "nk", "dtype"),
+    [
+        (3, 8, 8, 1000, 1000, torch.float16),  # MHA, fp16
+        (1, 6, 1, 2049, 2049, torch.bfloat16),  # MQA, longer than a few tiles
+        (4, 4, 2, 17, 17, torch.bfloat16),  # shorter than any tile
+    ],
+)
+def test_ws_shapes_against_float64(batch, hq, hkv, nq, nk, dtype):
+    for causal in (False, True):
+        q, k, v, dout = qkv_dout(batch, hq, hkv, nq, nk, 128, dtype, "cuda", seed=batch + nq)
+        grads = run_backward_variant(WS, q, k, v, dout, causal=causal, scale=128**-0.5)
+        forward = lambda q, k, v, causal=causal: attention_reference(q, k, v, causal=causal, scale=128**-0.5)
+        assert_grads(grads, reference_grads(forward, (q, k, v), dout), dtype)
+
+
+@pytest.mark.gpu
+@HOPPER
+def test_deterministic_gradients_are_the_same_bits_every_run():
+    """Many key tiles adding into each query tile, causal and not; ten runs, one result."""
+    deterministic = dataclasses.replace(WS, dq_write="atomic", deterministic=True)
+    q, k, v, dout = qkv_dout(2, 4, 2, 1500, 1500, 128, torch.bfloat16, "cuda", seed=5)
+    for causal in (False, True):
+        first = run_backward_variant(deterministic, q, k, v, dout, causal=causal, scale=0.1)
+        for _ in range(9):
+            again = run_backward_variant(deterministic, q, k, v, dout, causal=causal, scale=0.1)
+            assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))

@@ -1,0 +1,63 @@
+"""The backward family's Hopper schedule ("ws", FlashAttention-3's warp-specialized backward in
+Gluon): the shared memory and registers a Variant of it needs, and its measured defaults. Where
+it runs is the prefill schedule's rule (`prefill_ws.check_ws`): the same GPU, releases and inputs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tunegen.kernels.gpu import Gpu
+from tunegen.kernels.problem import Problem
+
+WS_KNOBS = ("dq_write", "deterministic", "producer_regs")
+REGISTER_FILE = 65536  # 32-bit registers per SM
+# Registers per consumer thread beyond the tiles `ws_tile_registers` counts (indices, row
+# statistics, barrier phases): calibrated on sm_90 compiles with Triton 3.6, 3.7.1 and 3.9, where
+# within the bound ptxas spills at most 80 bytes per thread (3.9: 240 at head dim 128, causal),
+# and past it (head dim 64 with 128 query rows) 416 and more.
+SPARE_REGISTERS = 16
+
+
+def consumer_registers(variant: Any) -> int:
+    """Registers per thread of the consumer warpgroups: the register file less the producer's
+    warpgroup (a warp padded to four, at `producer_regs`), in multiples of 8, at most 256."""
+    threads = variant.num_warps * 32
+    return min(256, (REGISTER_FILE - 128 * variant.producer_regs) // threads // 8 * 8)
+
+
+def ws_tile_registers(variant: Any, head_dim: int) -> int:
+    """Registers per consumer thread that the tiles hold at their peak: the float32 dK and dV, Sᵀ
+    and dPᵀ while both products are in flight, and the 16-bit Pᵀ and dSᵀ operands."""
+    n, m = variant.dkdv_block_n, variant.dkdv_block_m
+    return (2 * n * head_dim + 2 * n * m + n * m) // (variant.num_warps * 32)
+
+
+def ws_smem(variant: Any, head_dim: int) -> int:
+    """Shared memory bytes: K and V, the ring of Q and dO slots, two dSᵀ buffers, the float32 dQ
+    tile that TMA reduce-adds from (dq_write "tma"), and 1 KB of barriers."""
+    n, m = variant.dkdv_block_n, variant.dkdv_block_m
+    tiles = 2 * n * head_dim + 2 * variant.num_stages * m * head_dim + 2 * n * m
+    dq = m * head_dim * 4 if variant.dq_write == "tma" else 0
+    return tiles * 2 + dq + 1024
+
+
+def ws_constraint(variant: Any, problem: Problem, gpu: Gpu) -> str | None:
+    """Schedule "ws" within the GPU's shared memory per block and the consumers' registers."""
+    smem = ws_smem(variant, problem.head_dim)
+    if smem > gpu.smem_per_block:
+        return f"shared memory: needs about {smem} bytes, {gpu.name} has {gpu.smem_per_block} per block"
+    registers = ws_tile_registers(variant, problem.head_dim) + SPARE_REGISTERS
+    budget = consumer_registers(variant)
+    if registers > budget:
+        return (
+            f"registers: about {registers} per consumer thread, {budget} left by a producer of "
+            f"{variant.producer_regs}"
+        )
+    return None
+
+
+def ws_default(problem: Problem, gpu: Gpu, variant_type: Any) -> Any:
+    """The Hopper schedule's default: FlashAttention-3's tiles at head dim 128 (two consumer
+    warpgroups over 128 keys, query tiles of 64 rows, two ring slots), at head dim 64 too (its 128
+    query rows there spill here)."""
+    return variant_type(64, 128, num_warps=8, num_stages=2, schedule="ws")
