@@ -33,12 +33,12 @@ def ws_tile_registers(variant: Any, head_dim: int) -> int:
 
 
 def ws_smem(variant: Any, head_dim: int) -> int:
-    """Shared memory bytes: K and V, the ring of Q and dO slots, two dSᵀ buffers, the float32 dQ
-    tile that TMA reduce-adds from (dq_write "tma"), and 1 KB of barriers."""
+    """Shared memory bytes: K and V, the ring of Q, dO and row-statistics slots, two dSᵀ buffers,
+    the float32 dQ tile that TMA reduce-adds from (dq_write "tma"), and 1 KB of barriers."""
     n, m = variant.dkdv_block_n, variant.dkdv_block_m
     tiles = 2 * n * head_dim + 2 * variant.num_stages * m * head_dim + 2 * n * m
     dq = m * head_dim * 4 if variant.dq_write == "tma" else 0
-    return tiles * 2 + dq + 1024
+    return tiles * 2 + dq + variant.num_stages * 2 * m * 4 + 1024
 
 
 def ws_constraint(variant: Any, problem: Problem, gpu: Gpu) -> str | None:
