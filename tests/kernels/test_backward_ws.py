@@ -112,6 +112,8 @@ def test_ws_is_the_hopper_default_where_it_runs():
         (64, {"dkdv_block_m": 128}, "registers"),
         (128, {"num_warps": 4, "dkdv_block_n": 64}, None),
         (128, {"num_warps": 4}, "registers"),
+        (64, {"kv_regs": True}, None),
+        (128, {"kv_regs": True}, "registers"),
     ],
 )
 def test_ws_constraint(d, changes, reason):
@@ -131,6 +133,7 @@ KNOBS = [
     dataclasses.replace(WS, order="heaviest_first", producer_regs=40),
     dataclasses.replace(WS, num_warps=4, dkdv_block_n=64),
     dataclasses.replace(WS, dkdv_block_m=128, num_warps=4, dkdv_block_n=64),
+    dataclasses.replace(WS, kv_regs=True),
 ]
 
 

@@ -57,7 +57,9 @@ class BackwardVariant(Variant):
     added into float32 by TMA reduce-add from shared memory) or "atomic" (atomic adds from
     registers); deterministic, the adds into each query tile take turns in key-tile order, so the
     same inputs give the same bits (with "atomic" writes); producer_regs, the TMA producer warp's
-    registers per thread (the consumers share the rest). Knobs that do not apply to a schedule
+    registers per thread (the consumers share the rest); kv_regs, K and V held in registers as the
+    left operands of Sᵀ and dPᵀ rather than read from shared memory every step (the walk is bound
+    by shared-memory bandwidth; head dim 64 has the registers). Knobs that do not apply to a schedule
     keep their defaults, so that two different Variants are always two different kernels.
     """
 
@@ -80,6 +82,7 @@ class BackwardVariant(Variant):
     dq_write: str = "tma"
     deterministic: bool = False
     producer_regs: int = 24
+    kv_regs: bool = False
 
     def __post_init__(self) -> None:
         for name in ("dkdv_block_m", "dkdv_block_n", "dq_block_m", "dq_block_n"):
@@ -239,7 +242,12 @@ class BackwardFamily:
             "persistent": [False, True],
         }
         if "ws" in schedules:
-            space.update(dq_write=["tma", "atomic"], deterministic=[False], producer_regs=[24, 40])
+            space.update(
+                dq_write=["tma", "atomic"],
+                deterministic=[False],
+                producer_regs=[24, 40],
+                kv_regs=[False, True],
+            )
         return space
 
     def constraint(self, variant: BackwardVariant, problem: Problem, gpu: Gpu) -> str | None:

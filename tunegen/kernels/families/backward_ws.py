@@ -9,7 +9,7 @@ from typing import Any
 from tunegen.kernels.gpu import Gpu
 from tunegen.kernels.problem import Problem
 
-WS_KNOBS = ("dq_write", "deterministic", "producer_regs")
+WS_KNOBS = ("dq_write", "deterministic", "producer_regs", "kv_regs")
 REGISTER_FILE = 65536  # 32-bit registers per SM
 # Registers per consumer thread beyond the tiles `ws_tile_registers` counts (indices, row
 # statistics, barrier phases): calibrated on sm_90 compiles with Triton 3.6, 3.7.1 and 3.9, where
@@ -27,9 +27,11 @@ def consumer_registers(variant: Any) -> int:
 
 def ws_tile_registers(variant: Any, head_dim: int) -> int:
     """Registers per consumer thread that the tiles hold at their peak: the float32 dK and dV, Sᵀ
-    and dPᵀ while both products are in flight, and the 16-bit Pᵀ and dSᵀ operands."""
+    and dPᵀ while both products are in flight, the 16-bit Pᵀ and dSᵀ operands, and with kv_regs
+    the 16-bit K and V."""
     n, m = variant.dkdv_block_n, variant.dkdv_block_m
-    return (2 * n * head_dim + 2 * n * m + n * m) // (variant.num_warps * 32)
+    kv = n * head_dim if variant.kv_regs else 0
+    return (2 * n * head_dim + 2 * n * m + n * m + kv) // (variant.num_warps * 32)
 
 
 def ws_smem(variant: Any, head_dim: int) -> int:
