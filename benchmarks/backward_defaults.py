@@ -216,6 +216,7 @@ def label(v: dict) -> str:
             for name, on in (
                 ("deterministic", v["deterministic"]),
                 (f"producer{v['producer_regs']}", v["producer_regs"] != 24),
+                ("kv-regs", v["kv_regs"]),
                 ("heaviest", v["order"] == "heaviest_first"),
             )
             if on

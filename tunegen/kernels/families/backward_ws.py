@@ -59,7 +59,11 @@ def ws_constraint(variant: Any, problem: Problem, gpu: Gpu) -> str | None:
 
 
 def ws_default(problem: Problem, gpu: Gpu, variant_type: Any) -> Any:
-    """The Hopper schedule's default: FlashAttention-3's tiles at head dim 128 (two consumer
-    warpgroups over 128 keys, query tiles of 64 rows, two ring slots), at head dim 64 too (its 128
-    query rows there spill here)."""
-    return variant_type(64, 128, num_warps=8, num_stages=2, schedule="ws")
+    """The Hopper schedule's measured best on an H100 with Triton 3.6
+    (benchmarks/results/issue30_h100.md): FlashAttention-3's head dim 128 tiles (two consumer
+    warpgroups over 128 keys, query tiles of 64 rows) everywhere; at head dim 64 with K and V in
+    registers (+5-15%); a third ring slot for causal Problems past 4096 tokens (+4% at 16k)."""
+    stages = 3 if problem.causal and problem.seqlen_q > 4096 else 2
+    return variant_type(
+        64, 128, num_warps=8, num_stages=stages, schedule="ws", kv_regs=problem.head_dim <= 64
+    )
