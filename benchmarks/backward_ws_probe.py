@@ -40,7 +40,10 @@ PATCHES = {
     "no_dq_store": (_WAIT + _STORE, _WAIT),  # reduce-add whatever the tile holds
     "no_dq_write": (_WAIT + _STORE + _REDUCE, ""),  # no dQ at all
     # Causal: every step masked, none apart (the gradients stay right; only the split is gone).
-    "no_causal_split": ("    mid = gl.minimum(gl.maximum(full, lo), n_m_blocks)\n", "    mid = n_m_blocks + 0 * full\n"),
+    "no_causal_split": (
+        "    mid = gl.minimum(gl.maximum(full, lo), n_m_blocks)\n",
+        "    mid = n_m_blocks + 0 * full\n",
+    ),
 }
 
 
