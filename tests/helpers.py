@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import NEEDS_GPU, NEEDS_INTERPRETER
+from conftest import HAS_CUDA, INTERPRETING, NEEDS_GPU, NEEDS_INTERPRETER
 
 from tunegen.backends import backend_for
 from tunegen.calls.backward import BackwardCall
@@ -13,7 +13,7 @@ from tunegen.calls.decode import DecodeCall
 from tunegen.calls.prefill import PrefillCall, Varlen
 from tunegen.kernels.database import gpu_record
 from tunegen.kernels.families import backward, base, decode, prefill
-from tunegen.kernels.gpu import gpu_of, interpreter_gpu
+from tunegen.kernels.gpu import Gpu, gpu_of, interpreter_gpu
 from tunegen.kernels.reference import attention_reference
 from tunegen.tuning_db import Store, WinnerRecord
 
@@ -25,6 +25,14 @@ LSE_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-3}
 
 # bfloat16 runs on the interpreter too, through the rendering that upcasts tl.dot's operands.
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+# The Hopper schedules' tests: an H100 as Triton 3.6 sees it, the same with the installed release
+# (what the GPU tests admit), and the mark of tests that run compiled kernels on an sm_90 GPU.
+H100 = Gpu("NVIDIA H100 80GB HBM3", (9, 0), 132, 232448, "3.6.0", "2.11", "cuda")
+HOPPER = pytest.mark.skipif(
+    not (HAS_CUDA and not INTERPRETING and torch.cuda.get_device_capability() == (9, 0)),
+    reason="needs an sm_90 GPU, compiled kernels",
+)
 
 
 def randn(*shape: int, dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> torch.Tensor:

@@ -1,7 +1,7 @@
-"""The backward family's Hopper schedule ("ws"): where it runs and where it refuses, its knobs and
-constraints (CPU); on an sm_90 GPU every knob against float64 gradients at ragged sizes with GQA,
-both causal alignments and a log-sum-exp gradient, into poisoned gradients, and deterministic
-runs giving the same bits.
+"""The backward family's Hopper schedule ("ws"): its knobs, space and defaults (CPU; where it runs
+and its constraint are tested with the prefill schedule's in test_prefill_ws.py); on an sm_90 GPU
+every knob against float64 gradients at ragged sizes with GQA, both causal alignments and a
+log-sum-exp gradient, into poisoned gradients, and deterministic runs giving the same bits.
 
 Gluon kernels do not run under Triton's interpreter, so the CPU checks stop at the Variant, the
 family's rules and the offline sm_90 compile (test_compile.py)."""
@@ -13,23 +13,17 @@ import dataclasses
 import pytest
 import torch
 import triton
-from conftest import HAS_CUDA, INTERPRETING
 
-from helpers import assert_grads, qkv_dout, reference_grads, run_backward_variant
+from helpers import H100, HOPPER, assert_grads, qkv_dout, reference_grads, run_backward_variant
 from tunegen.kernels.families import backward, base
-from tunegen.kernels.gpu import Gpu, interpreter_gpu
+from tunegen.kernels.gpu import interpreter_gpu
 from tunegen.kernels.problem import Problem
 from tunegen.kernels.reference import attention_reference
 
 Variant = backward.BackwardVariant
 WS = Variant(64, 128, num_warps=8, num_stages=2, schedule="ws")
-H100 = Gpu("NVIDIA H100 80GB HBM3", (9, 0), 132, 232448, "3.6.0", "2.11", "cuda")
 INSTALLED = dataclasses.replace(H100, triton_version=triton.__version__)
 PROBLEM = Problem("backward", "bfloat16", 128, True, 16, 4, 2, 4096, 4096)
-HOPPER = pytest.mark.skipif(
-    not (HAS_CUDA and not INTERPRETING and torch.cuda.get_device_capability() == (9, 0)),
-    reason="needs an sm_90 GPU, compiled kernels",
-)
 
 
 @pytest.mark.parametrize(
@@ -60,27 +54,6 @@ def test_loop_variants_keep_the_ws_knobs_at_their_defaults():
     assert Variant().schedule == "loops" and backward.FAMILY.constraint(WS, PROBLEM, H100) is None
 
 
-@pytest.mark.parametrize(
-    ("problem", "gpu", "message"),
-    [
-        (PROBLEM, interpreter_gpu(), "needs a Hopper GPU \\(sm_90\\), not Triton's interpreter"),
-        (PROBLEM, dataclasses.replace(H100, name="A100", capability=(8, 0)), "not A100 \\(8, 0\\)"),
-        (PROBLEM, dataclasses.replace(H100, triton_version="3.5.1"), "Triton >= 3.6, not 3.5"),
-        (dataclasses.replace(PROBLEM, dtype="float32"), H100, "takes float16 or bfloat16"),
-        (
-            dataclasses.replace(PROBLEM, head_dim=96),
-            H100,
-            "takes head dims \\(64, 128\\), got 96 \\('loops' runs",
-        ),
-        (dataclasses.replace(PROBLEM, varlen=True), H100, "varlen takes 'loops'"),
-        (dataclasses.replace(PROBLEM, aligned=False), H100, "16-byte aligned"),
-    ],
-)
-def test_ws_refuses_what_it_cannot_run_by_name(problem, gpu, message):
-    with pytest.raises(ValueError, match=r"variant\.schedule: 'ws' " + ".*" + message):
-        backward.FAMILY.check_variant(WS, problem, gpu)
-
-
 def test_ws_space_on_hopper_only_and_searched_apart_from_the_loops():
     space = backward.FAMILY.search_space(PROBLEM, H100)
     assert space["schedule"] == ["loops", "ws"] and space["deterministic"] == [False]
@@ -102,38 +75,20 @@ def test_ws_is_the_hopper_default_where_it_runs():
         )
 
 
-@pytest.mark.parametrize(
-    ("d", "changes", "reason"),
-    [
-        (128, {}, None),
-        (128, {"num_stages": 3}, None),
-        (128, {"num_stages": 4}, "shared memory"),
-        (64, {"dkdv_block_m": 64}, None),
-        (64, {"dkdv_block_m": 128}, "registers"),
-        (128, {"num_warps": 4, "dkdv_block_n": 64}, None),
-        (128, {"num_warps": 4}, "registers"),
-        (64, {"kv_regs": True}, None),
-        (128, {"kv_regs": True}, "registers"),
-    ],
-)
-def test_ws_constraint(d, changes, reason):
-    found = backward.FAMILY.constraint(
-        dataclasses.replace(WS, **changes), dataclasses.replace(PROBLEM, head_dim=d), H100
-    )
-    assert (found is None) if reason is None else (reason in found), found
-
-
 # --- on the GPU -----------------------------------------------------------------------------
 
 KNOBS = [
-    WS,
-    dataclasses.replace(WS, num_stages=3),
-    dataclasses.replace(WS, dq_write="atomic"),
-    dataclasses.replace(WS, dq_write="atomic", deterministic=True),
-    dataclasses.replace(WS, order="heaviest_first", producer_regs=40),
-    dataclasses.replace(WS, num_warps=4, dkdv_block_n=64),
-    dataclasses.replace(WS, dkdv_block_m=128, num_warps=4, dkdv_block_n=64),
-    dataclasses.replace(WS, kv_regs=True),
+    WS.replace(**knobs)
+    for knobs in (
+        {},
+        {"num_stages": 3},
+        {"dq_write": "atomic"},
+        {"dq_write": "atomic", "deterministic": True},
+        {"order": "heaviest_first", "producer_regs": 40},
+        {"num_warps": 4, "dkdv_block_n": 64},
+        {"dkdv_block_m": 128, "num_warps": 4, "dkdv_block_n": 64},
+        {"kv_regs": True},
+    )
 ]
 
 

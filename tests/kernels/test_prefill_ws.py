@@ -11,29 +11,20 @@ import dataclasses
 import pytest
 import torch
 import triton
-from conftest import HAS_CUDA, INTERPRETING
 
 import tunegen
-from helpers import REL_TOL, assert_lse, randn, rel_err, run_variant
-from tunegen.kernels.families import base, prefill
-from tunegen.kernels.gpu import Gpu, interpreter_gpu
+from helpers import H100, HOPPER, REL_TOL, assert_lse, randn, rel_err, run_variant
+from tunegen.kernels.families import backward, base, prefill
+from tunegen.kernels.gpu import interpreter_gpu
 from tunegen.kernels.problem import Problem
 from tunegen.kernels.reference import attention_reference
 
 WS = prefill.PrefillVariant(
     schedule="ws", block_m=64, block_n=128, num_stages=2, consumers=2, pingpong=True, overlap=True
 )
-H100 = Gpu("NVIDIA H100 80GB HBM3", (9, 0), 132, 232448, "3.6.0", "2.11", "cuda")
 # The GPU tests run what the installed release admits (tunegen.kernels.releases).
 INSTALLED = dataclasses.replace(H100, triton_version=triton.__version__)
 PROBLEM = Problem("prefill", "bfloat16", 128, True, 16, 4, 2, 4096, 4096)
-
-
-def _is_hopper() -> bool:
-    return HAS_CUDA and not INTERPRETING and torch.cuda.get_device_capability() == (9, 0)
-
-
-HOPPER = pytest.mark.skipif(not _is_hopper(), reason="needs an sm_90 GPU, compiled kernels")
 
 
 @pytest.mark.parametrize(
@@ -66,6 +57,14 @@ def test_fa2_variants_keep_the_ws_knobs_at_their_defaults():
     assert (two.consumer_regs, two.maxnreg, WS.maxnreg) == (232, 128, None)
 
 
+# Both families' Hopper schedules run where `check_ws` says, and name their other schedule.
+WS_FAMILIES = {
+    "prefill": (prefill.FAMILY, WS, "fa2"),
+    "backward": (backward.FAMILY, backward.BackwardVariant(64, 128, num_warps=8, schedule="ws"), "loops"),
+}
+
+
+@pytest.mark.parametrize("family_name", list(WS_FAMILIES))
 @pytest.mark.parametrize(
     ("problem", "gpu", "message"),
     [
@@ -74,14 +73,20 @@ def test_fa2_variants_keep_the_ws_knobs_at_their_defaults():
         (PROBLEM, dataclasses.replace(H100, capability=(10, 0)), "needs a Hopper GPU"),
         (PROBLEM, dataclasses.replace(H100, triton_version="3.5.1"), "Triton >= 3.6, not 3.5"),
         (dataclasses.replace(PROBLEM, dtype="float32"), H100, "takes float16 or bfloat16"),
-        (dataclasses.replace(PROBLEM, head_dim=96), H100, "takes head dims \\(64, 128\\), got 96"),
-        (dataclasses.replace(PROBLEM, varlen=True), H100, "varlen takes 'fa2'"),
+        (
+            dataclasses.replace(PROBLEM, head_dim=96),
+            H100,
+            "head dims \\(64, 128\\), got 96 \\('{other}' runs",
+        ),
+        (dataclasses.replace(PROBLEM, varlen=True), H100, "varlen takes '{other}'"),
         (dataclasses.replace(PROBLEM, aligned=False), H100, "16-byte aligned"),
     ],
 )
-def test_ws_refuses_what_it_cannot_run_by_name(problem, gpu, message):
-    with pytest.raises(ValueError, match=r"variant\.schedule: 'ws' " + ".*" + message):
-        prefill.FAMILY.check_variant(WS, problem, gpu)
+def test_ws_refuses_what_it_cannot_run_by_name(family_name, problem, gpu, message):
+    family, variant, other = WS_FAMILIES[family_name]
+    problem = dataclasses.replace(problem, family=family_name)
+    with pytest.raises(ValueError, match=r"variant\.schedule: 'ws' " + ".*" + message.format(other=other)):
+        family.check_variant(variant, problem, gpu)
 
 
 def test_ws_space_on_hopper_only_and_searched_apart_from_fa2():
@@ -100,26 +105,34 @@ def test_ws_space_on_hopper_only_and_searched_apart_from_fa2():
 
 
 @pytest.mark.parametrize(
-    ("d", "changes", "reason"),
+    ("family_name", "d", "changes", "reason"),
     [
-        (128, {}, None),
-        (64, {"consumers": 3, "overlap": False}, None),
-        (64, {"consumers": 3}, "registers"),  # a second P tile does not fit in 160
-        (64, {"consumers": 3, "block_n": 64}, None),
-        (64, {"block_m": 128, "block_n": 64}, None),
-        (128, {"consumers": 3}, "registers"),
-        (64, {"block_m": 128}, "registers"),
-        (128, {"block_m": 128, "consumers": 1, "pingpong": False}, "registers"),
-        (128, {"num_stages": 3}, "shared memory"),
-        (128, {"consumers": 1, "pingpong": False, "ctas_per_sm": 2}, "shared memory"),
-        (128, {"consumers": 1, "pingpong": False, "ctas_per_sm": 2, "block_n": 64}, None),
+        ("prefill", 128, {}, None),
+        ("prefill", 64, {"consumers": 3, "overlap": False}, None),
+        ("prefill", 64, {"consumers": 3}, "registers"),  # a second P tile does not fit in 160
+        ("prefill", 64, {"consumers": 3, "block_n": 64}, None),
+        ("prefill", 64, {"block_m": 128, "block_n": 64}, None),
+        ("prefill", 128, {"consumers": 3}, "registers"),
+        ("prefill", 64, {"block_m": 128}, "registers"),
+        ("prefill", 128, {"block_m": 128, "consumers": 1, "pingpong": False}, "registers"),
+        ("prefill", 128, {"num_stages": 3}, "shared memory"),
+        ("prefill", 128, {"consumers": 1, "pingpong": False, "ctas_per_sm": 2}, "shared memory"),
+        ("prefill", 128, {"consumers": 1, "pingpong": False, "ctas_per_sm": 2, "block_n": 64}, None),
+        ("backward", 128, {}, None),
+        ("backward", 128, {"num_stages": 3}, None),
+        ("backward", 128, {"num_stages": 4}, "shared memory"),
+        ("backward", 64, {"dkdv_block_m": 128}, "registers"),
+        ("backward", 128, {"num_warps": 4, "dkdv_block_n": 64}, None),
+        ("backward", 128, {"num_warps": 4}, "registers"),
+        ("backward", 64, {"kv_regs": True}, None),
+        ("backward", 128, {"kv_regs": True}, "registers"),
     ],
 )
-def test_ws_constraint_matches_what_sm90_compiles_without_spilling(d, changes, reason):
+def test_ws_constraint_matches_what_sm90_compiles_without_spilling(family_name, d, changes, reason):
     """Calibrated on sm_90 compiles (tests/test_compile.py checks the accepted side)."""
-    found = prefill.FAMILY.constraint(
-        dataclasses.replace(WS, **changes), dataclasses.replace(PROBLEM, head_dim=d), H100
-    )
+    family, variant, _ = WS_FAMILIES[family_name]
+    problem = dataclasses.replace(PROBLEM, family=family_name, head_dim=d)
+    found = family.constraint(dataclasses.replace(variant, **changes), problem, H100)
     assert (found is None) if reason is None else (reason in found), found
 
 
