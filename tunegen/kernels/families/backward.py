@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 from tunegen.kernels.families.backward_ws import WS_KNOBS, ws_constraint, ws_default
 from tunegen.kernels.families.operands import block_d, check_descriptors, dot_precision, load_paths
-from tunegen.kernels.families.prefill_ws import check_ws
+from tunegen.kernels.families.prefill_ws import check_ws, runs_ws
 from tunegen.kernels.gpu import Gpu
 from tunegen.kernels.problem import Problem
 from tunegen.kernels.variant import Variant
@@ -219,12 +219,7 @@ class BackwardFamily:
         else:
             resident, walked, warps, stages = [64, 128], [32, 64], [4, 8], [1, 2, 3, 4]
         loads = load_paths(problem, gpu)
-        schedules = ["loops"]
-        try:
-            check_ws(problem, gpu, fallback="loops")
-            schedules.append("ws")
-        except ValueError:
-            pass
+        schedules = ["loops", "ws"] if runs_ws(problem, gpu) else ["loops"]
         space: dict[str, list] = {
             "schedule": schedules,
             "dq_mode": list(DQ_MODES),
@@ -301,11 +296,7 @@ class BackwardFamily:
     def default_variant(self, problem: Problem, gpu: Gpu) -> BackwardVariant:
         """Until tuned Winners exist: the Hopper schedule wherever it runs (`ws_default`), else
         FlashAttention-2's loops (`loops_default`)."""
-        try:
-            check_ws(problem, gpu, fallback="loops")
-        except ValueError:
-            return loops_default(problem, gpu)
-        return ws_default(problem, gpu, BackwardVariant)
+        return ws_default(problem, BackwardVariant) if runs_ws(problem, gpu) else loops_default(problem, gpu)
 
     def measure(self, problem: Problem) -> tuple[str, float]:
         """FLOPs as FlashAttention counts the backward: 2.5 times the forward's."""

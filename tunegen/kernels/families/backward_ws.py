@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from tunegen.kernels.families.prefill_ws import REGISTER_FILE
 from tunegen.kernels.gpu import Gpu
 from tunegen.kernels.problem import Problem
 
 WS_KNOBS = ("dq_write", "deterministic", "producer_regs", "kv_regs")
-REGISTER_FILE = 65536  # 32-bit registers per SM
 # Registers per consumer thread beyond the tiles `ws_tile_registers` counts (indices, row
 # statistics, barrier phases): calibrated on sm_90 compiles with Triton 3.6, 3.7.1 and 3.9, where
 # within the bound ptxas spills at most 80 bytes per thread (3.9: 240 at head dim 128, causal),
@@ -58,7 +58,7 @@ def ws_constraint(variant: Any, problem: Problem, gpu: Gpu) -> str | None:
     return None
 
 
-def ws_default(problem: Problem, gpu: Gpu, variant_type: Any) -> Any:
+def ws_default(problem: Problem, variant_type: Any) -> Any:
     """The Hopper schedule's measured best on an H100 with Triton 3.6
     (benchmarks/results/issue30_h100.md): FlashAttention-3's head dim 128 tiles (two consumer
     warpgroups over 128 keys, query tiles of 64 rows) everywhere; at head dim 64 with K and V in

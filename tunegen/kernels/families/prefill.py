@@ -8,7 +8,7 @@ import dataclasses
 from typing import Any, ClassVar
 
 from tunegen.kernels.families.operands import block_d, check_descriptors, dot_precision, load_paths
-from tunegen.kernels.families.prefill_ws import check_ws, ws_constraint
+from tunegen.kernels.families.prefill_ws import REGISTER_FILE, check_ws, runs_ws, ws_constraint
 from tunegen.kernels.fp8 import SCALE_BLOCK
 from tunegen.kernels.gpu import Gpu
 from tunegen.kernels.problem import Problem
@@ -19,7 +19,6 @@ ORDERS = ("m_inner", "head_inner", "grouped")
 SCHEDULES = ("fa2", "ws")
 FA2_KNOBS = ("num_warps", "causal_split", "load", "p_fp8", "v_trans")
 WS_KNOBS = ("consumers", "pingpong", "overlap", "persistent", "producer_regs", "ctas_per_sm")
-REGISTER_FILE = 65536  # 32-bit registers per SM on every GPU tunegen targets
 
 
 def _pow2(n: int) -> bool:
@@ -180,9 +179,7 @@ def _ws_measured(problem: Problem, gpu: Gpu) -> PrefillVariant | None:
     2-3%), and Problems of less than one wave of 128-row tiles, where the schedule's machinery buys
     nothing and its launch, which encodes four TMA descriptors, costs twice FA2's
     (benchmarks/results/launch_h100.md)."""
-    try:
-        check_ws(problem, gpu)
-    except ValueError:
+    if not runs_ws(problem, gpu):
         return None
     if problem.batch * problem.num_heads_q * -(-problem.seqlen_q // 128) < gpu.sm_count:
         return None
@@ -292,12 +289,7 @@ class PrefillFamily:
         else:
             tiles, warps, stages = [32, 64, 128], [4, 8], [2, 3, 4] + ([5] if problem.fp8 else [])
         loads = load_paths(problem, gpu)
-        schedules = ["fa2"]
-        try:
-            check_ws(problem, gpu)
-            schedules.append("ws")
-        except ValueError:
-            pass
+        schedules = ["fa2", "ws"] if runs_ws(problem, gpu) else ["fa2"]
         space = {
             "schedule": schedules,
             "block_m": [t for t in tiles if t >= 16] if gpu.arch == "interpreter" else [64, 128],

@@ -10,6 +10,7 @@ from tunegen.kernels.problem import Problem
 from tunegen.kernels.variant import Variant
 
 WS_HEAD_DIMS = (64, 128)
+REGISTER_FILE = 65536  # 32-bit registers per SM on every GPU tunegen targets
 
 
 def check_ws(problem: Problem, gpu: Gpu, fallback: str = "fa2") -> None:
@@ -39,6 +40,15 @@ def check_ws(problem: Problem, gpu: Gpu, fallback: str = "fa2") -> None:
         raise ValueError(f"variant.schedule: 'ws' runs dense batches; varlen takes {fallback!r}")
     if not problem.aligned:
         raise ValueError("variant.schedule: 'ws' loads by TMA, which needs 16-byte aligned bases and strides")
+
+
+def runs_ws(problem: Problem, gpu: Gpu) -> bool:
+    """Whether schedule "ws" runs `problem` on `gpu` (`check_ws` raises nothing)."""
+    try:
+        check_ws(problem, gpu)
+    except ValueError:
+        return False
+    return True
 
 
 def ws_tile_registers(variant: Variant, head_dim: int) -> int:
