@@ -33,12 +33,16 @@ _REDUCE = (
     "            _tma_reduce_add(desc_dqa, [off_b, off_h, start_m, 0], "
     "dq_smem.reshape([1, 1, BLOCK_M, HEAD_DIM]))\n"
 )
+# dQ's tile stored under a condition never true at run time: the product that computes it stays (a
+# tile nothing reads would let the compiler drop the product with it).
+_KEEP = "            if seqlen_q < 0:\n                dq_smem.store(dq)\n"
 # Name: (text of the rendered unmasked and masked steps, its replacement).
 PATCHES = {
     "base": None,
     "no_dq_wait": (_WAIT + _STORE, _STORE),  # store into dQ's tile while its last reduce may read it
-    "no_dq_store": (_WAIT + _STORE, _WAIT),  # reduce-add whatever the tile holds
-    "no_dq_write": (_WAIT + _STORE + _REDUCE, ""),  # no dQ at all
+    "no_dq_store": (_WAIT + _STORE, _WAIT + _KEEP),  # reduce-add whatever the tile holds
+    "no_dq_write": (_WAIT + _STORE + _REDUCE, _KEEP),  # dQ's product, neither stored nor added
+    "no_dq": (_WAIT + _STORE + _REDUCE, ""),  # no dQ at all, its product included
     # Causal: every step masked, none apart (the gradients stay right; only the split is gone).
     "no_causal_split": (
         "    mid = gl.minimum(gl.maximum(full, lo), n_m_blocks)\n",
