@@ -144,6 +144,7 @@ WS_KNOBS = [
     {},
     dict(num_stages=3),
     dict(dq_write="atomic"),
+    dict(deterministic=True),
     dict(dq_write="atomic", deterministic=True),
     dict(producer_regs=40),
     dict(num_warps=4, dkdv_block_n=64),

@@ -33,7 +33,6 @@ PROBLEM = Problem("backward", "bfloat16", 128, True, 16, 4, 2, 4096, 4096)
         ({"num_warps": 2}, "num_warps: schedule 'ws' takes 4 or 8"),
         ({"dkdv_block_n": 64}, "each of 2 warpgroups takes 64 keys at least"),
         ({"num_stages": 1}, "num_stages: schedule 'ws' takes a ring of 2 to 4"),
-        ({"deterministic": True}, "deterministic: takes dq_write 'atomic'"),
         ({"producer_regs": 48}, "producer_regs: expected 24, 32 or 40"),
         ({"dq_mode": "atomic"}, "dq_mode: a knob of schedule 'loops'"),
         ({"load": "desc"}, "load: a knob of schedule 'loops'"),
@@ -83,6 +82,7 @@ KNOBS = [
         {},
         {"num_stages": 3},
         {"dq_write": "atomic"},
+        {"deterministic": True},
         {"dq_write": "atomic", "deterministic": True},
         {"order": "heaviest_first", "producer_regs": 40},
         {"num_warps": 4, "dkdv_block_n": 64},
@@ -131,9 +131,10 @@ def test_ws_shapes_against_float64(batch, hq, hkv, nq, nk, dtype):
 
 @pytest.mark.gpu
 @HOPPER
-def test_deterministic_gradients_are_the_same_bits_every_run():
+@pytest.mark.parametrize("dq_write", ["tma", "atomic"])
+def test_deterministic_gradients_are_the_same_bits_every_run(dq_write):
     """Many key tiles adding into each query tile, causal and not; ten runs, one result."""
-    deterministic = dataclasses.replace(WS, dq_write="atomic", deterministic=True)
+    deterministic = dataclasses.replace(WS, dq_write=dq_write, deterministic=True)
     q, k, v, dout = qkv_dout(2, 4, 2, 1500, 1500, 128, torch.bfloat16, "cuda", seed=5)
     for causal in (False, True):
         first = run_backward_variant(deterministic, q, k, v, dout, causal=causal, scale=0.1)

@@ -56,7 +56,7 @@ class BackwardVariant(Variant):
     ring of num_stages (2 to 4) Q and dO slots, in `order`; its own knobs: dq_write, "tma" (dQ
     added into float32 by TMA reduce-add from shared memory) or "atomic" (atomic adds from
     registers); deterministic, the adds into each query tile take turns in key-tile order, so the
-    same inputs give the same bits (with "atomic" writes); producer_regs, the TMA producer warp's
+    same inputs give the same bits; producer_regs, the TMA producer warp's
     registers per thread (the consumers share the rest); kv_regs, K and V held in registers as the
     left operands of Sᵀ and dPᵀ rather than read from shared memory every step (the walk is bound
     by shared-memory bandwidth; head dim 64 has the registers). Knobs that do not apply to a schedule
@@ -135,11 +135,6 @@ class BackwardVariant(Variant):
             )
         if not 2 <= self.num_stages <= 4:
             raise ValueError(f"num_stages: schedule 'ws' takes a ring of 2 to 4 slots, got {self.num_stages}")
-        if self.deterministic and self.dq_write != "atomic":
-            raise ValueError(
-                "deterministic: takes dq_write 'atomic' (a TMA reduce-add may still be in flight when the "
-                "next key tile's turn comes)"
-            )
         if self.producer_regs not in (24, 32, 40):
             raise ValueError(f"producer_regs: expected 24, 32 or 40, got {self.producer_regs}")
 
