@@ -54,13 +54,14 @@ class BackwardVariant(Variant):
     schedule, which keeps a tile of dkdv_block_n keys per program and walks query tiles of
     dkdv_block_m rows (64 or 128 each) with num_warps / 4 consumer warpgroups (4 or 8 warps) and a
     ring of num_stages (2 to 4) Q and dO slots, in `order`; its own knobs: dq_write, "tma" (dQ
-    added into float32 by TMA reduce-add from shared memory) or "atomic" (atomic adds from
-    registers); deterministic, the adds into each query tile take turns in key-tile order, so the
-    same inputs give the same bits; producer_regs, the TMA producer warp's
-    registers per thread (the consumers share the rest); kv_regs, K and V held in registers as the
-    left operands of Sᵀ and dPᵀ rather than read from shared memory every step (the walk is bound
-    by shared-memory bandwidth; head dim 64 has the registers). Knobs that do not apply to a schedule
-    keep their defaults, so that two different Variants are always two different kernels.
+    added into float32 by a writer warp's TMA reduce-add from shared memory) or "atomic" (atomic
+    adds from registers); deterministic, the adds into each query tile take turns in key-tile
+    order, so the same inputs give the same bits; producer_regs, the registers per thread of the
+    TMA producer warp and of the dQ writer (the consumers share the rest); kv_regs, K and V held
+    in registers as the left operands of Sᵀ and dPᵀ rather than read from shared memory every step
+    (the walk is bound by shared-memory bandwidth; head dim 64 has the registers). Knobs that do
+    not apply to a schedule keep their defaults, so that two different Variants are always two
+    different kernels.
     """
 
     family: ClassVar[str] = "backward"
