@@ -95,26 +95,84 @@ def test_varlen_gradients_match_float64(device, knobs, causal):
     assert torch.all(grads[1][no_queries] == 0) and torch.all(grads[2][no_queries] == 0)
 
 
-def test_dispatch_serves_a_backward_winner(tmp_path, monkeypatch):
-    """The backward Problem of a call is looked up like any other: a recorded Winner is served."""
+# A Winner that adds dQ by atomics, as the database would serve it.
+ATOMIC_DQ = Variant(16, 16, 16, 16, num_warps=4, num_stages=1, dq_mode="atomic")
+
+
+def _atomic_dq_winner(tmp_path, monkeypatch, seed, causal, batch):
+    """Inputs, the backward Problem of attention over them and the interpreter Gpu, with ATOMIC_DQ
+    recorded as that Problem's Winner in a fresh database."""
     if not dispatch_interprets():
         pytest.skip("CPU kernels need the interpreter")
-    q, k, v, dout = qkv_dout(1, 4, 2, 20, 20, 16, torch.float16, torch.device("cpu"), seed=91)
-    forward = PrefillCall(q, k, v, True, 0.25, True)
+    q, k, v, dout = qkv_dout(
+        batch,
+        4,
+        2,
+        20 if causal else 37,
+        20 if causal else 37,
+        16,
+        torch.float16,
+        torch.device("cpu"),
+        seed=seed,
+    )
+    forward = PrefillCall(q, k, v, causal, 0.25, True)
     problem = BackwardCall(forward, *forward.reference(), dout, None).problem()
-    tuned = Variant(16, 16, 16, 16, num_warps=4, num_stages=1, dq_mode="atomic")
     url = f"sqlite:///{tmp_path / 'tuned.db'}"
     monkeypatch.setenv("TUNEGEN_DB", url)
     gpu = interpreter_gpu()
     with Store(url) as store:
-        winner = (gpu_record(gpu), "backward", problem.as_dict(), tuned.as_dict(), 1.0, 1e-3)
+        winner = (gpu_record(gpu), "backward", problem.as_dict(), ATOMIC_DQ.as_dict(), 1.0, 1e-3)
         store.record_winner(WinnerRecord(*winner, gpu.triton_version, torch_version="2", template_hash="h"))
-    q, k, v = leaves(q, k, v)
+    return (*leaves(q, k, v), dout), problem, gpu
+
+
+def test_dispatch_serves_a_backward_winner(tmp_path, monkeypatch):
+    """The backward Problem of a call is looked up like any other: a recorded Winner is served."""
+    (q, k, v, dout), problem, gpu = _atomic_dq_winner(tmp_path, monkeypatch, 91, causal=True, batch=1)
     tunegen.attention(q, k, v, causal=True).backward(dout)
     choice = dispatch.choice_for(problem, gpu)
-    assert choice.source == "winner" and choice.kernel.variant == tuned
+    assert choice.source == "winner" and choice.kernel.variant == ATOMIC_DQ
     forward = lambda q, k, v: attention_reference(q, k, v, causal=True, scale=0.25)
     assert_grads((q.grad, k.grad, v.grad), reference_grads(forward, (q, k, v), dout), torch.float16)
+
+
+def test_deterministic_algorithms_get_a_fixed_order_dq(tmp_path, monkeypatch):
+    """Under torch.use_deterministic_algorithms, a Winner that adds dQ by atomics is served as
+    its fixed-order form (dQ by a pass of its own), with the right gradients; without, as tuned."""
+    (q, k, v, dout), problem, gpu = _atomic_dq_winner(tmp_path, monkeypatch, 92, causal=False, batch=2)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        tunegen.attention(q, k, v).backward(dout)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert (problem, gpu) in dispatch._DETERMINISTIC
+    served = dispatch.deterministic_kernel_for(problem, gpu).variant
+    assert (
+        served == ATOMIC_DQ.replace(dq_mode="separate")
+        and dispatch.kernel_for(problem, gpu).variant == ATOMIC_DQ
+    )
+    forward = lambda q, k, v: attention_reference(q, k, v, causal=False, scale=0.25)
+    assert_grads((q.grad, k.grad, v.grad), reference_grads(forward, (q, k, v), dout), torch.float16)
+
+
+def test_each_family_names_its_fixed_order_form():
+    """The backward's atomic dQ and the Hopper schedule's unordered adds change; nothing else does."""
+    ws = backward.BackwardVariant(dkdv_block_m=64, dkdv_block_n=128, num_warps=8, num_stages=2, schedule="ws")
+    family = get("backward")
+    for dq_write in ("tma", "atomic"):
+        tuned = ws.replace(dq_write=dq_write)
+        assert family.deterministic(tuned) == tuned.replace(deterministic=True)
+    for mode in ("separate", "concurrent", "partial"):
+        loops = Variant(dq_mode=mode)
+        assert family.deterministic(loops) is loops
+    assert family.deterministic(Variant(dq_mode="atomic")) == Variant(dq_mode="separate")
+    for problem in (
+        Problem("prefill", "float16", 64, True, 4, 2, 2, 128, 128),
+        Problem("decode", "float16", 64, False, 4, 2, 2, 1, 4096),
+    ):
+        default = get(problem.family).default_variant(problem, H100)
+        assert get(problem.family).deterministic(default) is default
 
 
 def test_the_tuning_case_checks_and_poisons():

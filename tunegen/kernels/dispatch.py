@@ -58,6 +58,8 @@ class Choice:
 
 
 _CHOICES: dict[tuple[Problem, Gpu], Choice] = {}
+# What serves a Problem under torch.use_deterministic_algorithms, where that differs.
+_DETERMINISTIC: dict[tuple[Problem, Gpu], base.Kernel] = {}
 _LOCK = threading.Lock()
 # Calls' exact input signatures (see api.attention, decode.decode_attention) to the bound
 # launch of the kernel their Problem got; the most recent launcher.CALL_CACHE_SIZE are kept.
@@ -226,11 +228,30 @@ def kernel_for(problem: Problem, gpu: Gpu) -> base.Kernel:
     return choice.kernel if choice is not None else choice_for(problem, gpu).kernel
 
 
+def deterministic_kernel_for(problem: Problem, gpu: Gpu) -> base.Kernel:
+    """The kernel for `problem` on `gpu` under torch.use_deterministic_algorithms: the one
+    `kernel_for` serves, made by its family to give the same bits on every run (the backward's dQ
+    added in a fixed order), or that kernel itself where it already does."""
+    kernel = _DETERMINISTIC.get((problem, gpu))
+    if kernel is not None:
+        return kernel
+    served = kernel_for(problem, gpu)
+    family = get(problem.family)
+    variant = family.deterministic(served.variant)
+    with _LOCK:
+        kernel = _DETERMINISTIC.get((problem, gpu))
+        if kernel is None:
+            kernel = served if variant == served.variant else base.build(family, variant, problem, gpu)
+            _DETERMINISTIC[(problem, gpu)] = kernel
+    return kernel
+
+
 def forget() -> None:
     """Drop every cached choice and the Winners' snapshot (after tuning in this process, say), so
     the next call reads the database again; in a torch.distributed job, call it on every rank in
     step and the ranks share the new snapshot too."""
     with _LOCK:
         _CHOICES.clear()
+        _DETERMINISTIC.clear()
         fast_calls.clear()
         snapshot.forget()

@@ -128,6 +128,11 @@ class DecodeFamily:
             block_n=block_n, num_splits=splits, num_warps=4, num_stages=1 if interpreted else 3, pack_gqa=True
         )
 
+    def deterministic(self, variant: DecodeVariant) -> DecodeVariant:
+        """Every decode Variant gives the same bits on every run: a split cache's partial results
+        are merged by one program, all splits at once, in a fixed order."""
+        return variant
+
     def measure(self, problem: Problem) -> tuple[str, float]:
         """Bytes of K and V read: each cached token's keys and values once."""
         size = 1 if problem.fp8 else {"float16": 2, "bfloat16": 2, "float32": 4}[problem.dtype]

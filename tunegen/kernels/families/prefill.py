@@ -351,6 +351,10 @@ class PrefillFamily:
         ws = _ws_default(problem, gpu)
         return ws if ws is not None else fa2_default(problem, gpu)
 
+    def deterministic(self, variant: PrefillVariant) -> PrefillVariant:
+        """Every prefill Variant gives the same bits on every run: no program adds into another's output."""
+        return variant
+
     def measure(self, problem: Problem) -> tuple[str, float]:
         return "TFLOP/s", problem.flops()
 
