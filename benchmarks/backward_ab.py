@@ -14,12 +14,15 @@ A version is a template file (an older one from git: `git show REV:templates/_at
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import pathlib
+import shutil
+import tempfile
 
 MODULES = pathlib.Path(__file__).with_name("ab_modules")
-TEMPLATE = pathlib.Path(__file__).parents[1] / "templates" / "_attention_bwd_ws.j2"
+TEMPLATE = "_attention_bwd_ws.j2"
 
 
 def _problems():
@@ -27,33 +30,47 @@ def _problems():
 
     for d in (128, 64):
         for causal in (False, True):
-            yield (
-                f"d{d}_{'c' if causal else 'nc'}",
-                Problem("backward", "bfloat16", d, causal, 2048 // d, 2048 // d, 4, 4096, 4096),
-            )
+            name = f"d{d}_{'c' if causal else 'nc'}"
+            yield name, Problem("backward", "bfloat16", d, causal, 2048 // d, 2048 // d, 4, 4096, 4096)
+
+
+@contextlib.contextmanager
+def _templates(folder: pathlib.Path):
+    """Render from `folder` instead of the package's templates, in this process only."""
+    from tunegen.kernels import render
+
+    original = render.template_dir
+    render.template_dir = lambda: folder
+    render._environment.cache_clear()
+    render.template_hash.cache_clear()
+    try:
+        yield
+    finally:
+        render.template_dir = original
+        render._environment.cache_clear()
+        render.template_hash.cache_clear()
 
 
 def render_version(tag: str, template_file: str, changes: dict) -> None:
-    """Render the default Variants of `template_file` (with `changes`) as MODULES/TAG_*.py."""
+    """Render the default Variants of `template_file` (with `changes`) as MODULES/TAG_*.py, from a
+    copy of the package's templates with that file in place of the Hopper backward's."""
     import triton
 
+    from tunegen.kernels import render
     from tunegen.kernels.families import backward
     from tunegen.kernels.gpu import Gpu
-    from tunegen.kernels.render import render
 
     gpu = Gpu("H100", (9, 0), 132, 232448, triton.__version__, "", "cuda")
     MODULES.mkdir(exist_ok=True)
-    saved = TEMPLATE.read_text()
-    try:
-        TEMPLATE.write_text(pathlib.Path(template_file).read_text())
-        for name, problem in _problems():
-            variant = backward.FAMILY.default_variant(problem, gpu).replace(**changes)
-            rendered = render(
-                backward.FAMILY.template, "backward", variant, backward.FAMILY.features(problem, gpu)
-            )
-            (MODULES / f"{tag}_{name}.py").write_text(rendered.source)
-    finally:
-        TEMPLATE.write_text(saved)
+    with tempfile.TemporaryDirectory() as folder:
+        shutil.copytree(render.template_dir(), folder, dirs_exist_ok=True)
+        (pathlib.Path(folder) / TEMPLATE).write_text(pathlib.Path(template_file).read_text())
+        with _templates(pathlib.Path(folder)):
+            for name, problem in _problems():
+                variant = backward.FAMILY.default_variant(problem, gpu).replace(**changes)
+                features = backward.FAMILY.features(problem, gpu)
+                rendered = render.render(backward.FAMILY.template, "backward", variant, features)
+                (MODULES / f"{tag}_{name}.py").write_text(rendered.source)
 
 
 def _load(path: pathlib.Path):

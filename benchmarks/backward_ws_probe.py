@@ -7,7 +7,7 @@ piece could gain, nothing more (but for no_causal_split, which keeps them right)
 text is not in the rendered source (the template moved on, or the Problem has no such piece) is
 reported and skipped.
 
-    python benchmarks/backward_ws_probe.py --patches base,no_dq_store,no_dq_write
+    python benchmarks/backward_ws_probe.py --patches base,no_dq_store,no_dq_write,no_dq
 """
 
 from __future__ import annotations
@@ -27,27 +27,39 @@ from tunegen.kernels.launch_args import BackwardArgs
 from tunegen.kernels.render import render
 from tunegen.measure.suites import backward_suite
 
-_WAIT = "            tma.store_wait(0)\n"
+# The consumers' hand-over of dQ's tile and the writer warp's reduce-add, as rendered.
 _STORE = "            dq_smem.store(dq)\n            fence_async_shared()\n"
 _REDUCE = (
-    "            _tma_reduce_add(desc_dqa, [off_b, off_h, start_m, 0], "
+    "            _tma_reduce_add(desc_dqa, [off_b, off_h, i * BLOCK_M, 0], "
     "dq_smem.reshape([1, 1, BLOCK_M, HEAD_DIM]))\n"
+    "            tma.store_wait(0)\n"
 )
+_HAND_OVER = (
+    "            mbarrier.wait(dq_bars.index(1), (ring & 1) ^ 1)\n"
+    + _STORE
+    + "            mbarrier.arrive(dq_bars.index(0), count=1)\n"
+)
+_TAKE_OVER = "            mbarrier.wait(dq_bars.index(0), ring & 1)\n"
+_GIVE_BACK = "            mbarrier.arrive(dq_bars.index(1), count=1)\n"
 # dQ's tile stored under a condition never true at run time: the product that computes it stays (a
 # tile nothing reads would let the compiler drop the product with it).
 _KEEP = "            if seqlen_q < 0:\n                dq_smem.store(dq)\n"
-# Name: (text of the rendered unmasked and masked steps, its replacement).
+# Name: the (rendered text, its replacement) pairs that make the copy; every text must be there.
 PATCHES = {
-    "base": None,
-    "no_dq_wait": (_WAIT + _STORE, _STORE),  # store into dQ's tile while its last reduce may read it
-    "no_dq_store": (_WAIT + _STORE, _WAIT + _KEEP),  # reduce-add whatever the tile holds
-    "no_dq_write": (_WAIT + _STORE + _REDUCE, _KEEP),  # dQ's product, neither stored nor added
-    "no_dq": (_WAIT + _STORE + _REDUCE, ""),  # no dQ at all, its product included
+    "base": [],
+    # The writer adds whatever the tile holds; the hand-over's barriers stay.
+    "no_dq_store": [(_STORE, _KEEP + "            fence_async_shared()\n")],
+    # dQ's product, neither stored nor added; consumers and writer still hand the tile over.
+    "no_dq_write": [(_STORE, _KEEP + "            fence_async_shared()\n"), (_REDUCE, "")],
+    # No dQ at all, its product, hand-over and writer's adds included.
+    "no_dq": [(_HAND_OVER, ""), (_TAKE_OVER + _REDUCE + _GIVE_BACK, "")],
     # Causal: every step masked, none apart (the gradients stay right; only the split is gone).
-    "no_causal_split": (
-        "    mid = gl.minimum(gl.maximum(full, lo), n_m_blocks)\n",
-        "    mid = n_m_blocks + 0 * full\n",
-    ),
+    "no_causal_split": [
+        (
+            "    mid = gl.minimum(gl.maximum(full, lo), n_m_blocks)\n",
+            "    mid = n_m_blocks + 0 * full\n",
+        )
+    ],
 }
 
 
@@ -101,10 +113,13 @@ def main() -> None:
         source = render(backward.FAMILY.template, "backward", variant, features).source
         for name in args.patches.split(","):
             patch = PATCHES[name]
-            if patch is not None and patch[0] not in source:
+            if any(text not in source for text, _ in patch):
                 line.append(f"{name} (not in this module)")
                 continue
-            module = _module(source if patch is None else source.replace(*patch), f"probe_{name}")
+            patched = source
+            for text, replacement in patch:
+                patched = patched.replace(text, replacement)
+            module = _module(patched, f"probe_{name}")
             grads = [torch.empty_like(t) for t in (q, k, v)]
             launch_args = BackwardArgs(q, k, v, out, dout, lse, None, *grads, d**-0.5)
             ms = _median_ms(lambda m=module, a=launch_args: m.launch(a))

@@ -157,22 +157,30 @@ def test_deterministic_algorithms_get_a_fixed_order_dq(tmp_path, monkeypatch):
 
 
 def test_each_family_names_its_fixed_order_form():
-    """The backward's atomic dQ and the Hopper schedule's unordered adds change; nothing else does."""
-    ws = backward.BackwardVariant(dkdv_block_m=64, dkdv_block_n=128, num_warps=8, num_stages=2, schedule="ws")
+    """The backward's atomic dQ and the Hopper schedule's unordered adds change (within the
+    family's constraint); nothing else does."""
     family = get("backward")
+    problem = Problem("backward", "bfloat16", 128, True, 16, 4, 2, 4096, 4096)
+    ws = backward.BackwardVariant(dkdv_block_m=64, dkdv_block_n=128, num_warps=8, num_stages=2, schedule="ws")
     for dq_write in ("tma", "atomic"):
         tuned = ws.replace(dq_write=dq_write)
-        assert family.deterministic(tuned) == tuned.replace(deterministic=True)
+        assert family.deterministic(tuned, problem, H100) == tuned.replace(deterministic=True)
     for mode in ("separate", "concurrent", "partial"):
         loops = Variant(dq_mode=mode)
-        assert family.deterministic(loops) is loops
-    assert family.deterministic(Variant(dq_mode="atomic")) == Variant(dq_mode="separate")
+        assert family.deterministic(loops, problem, H100) is loops
+    assert family.deterministic(Variant(dq_mode="atomic"), problem, H100) == Variant(dq_mode="separate")
+    wide = Problem("backward", "float32", 256, False, 4, 4, 2, 1024, 1024)
+    tuned = Variant(16, 16, num_warps=4, num_stages=1, dq_mode="atomic")
+    assert family.constraint(tuned, wide, H100) is None
+    assert family.constraint(tuned.replace(dq_mode="separate"), wide, H100) is not None
+    fixed = family.deterministic(tuned, wide, H100)
+    assert fixed.dq_mode != "atomic" and family.constraint(fixed, wide, H100) is None
     for problem in (
         Problem("prefill", "float16", 64, True, 4, 2, 2, 128, 128),
         Problem("decode", "float16", 64, False, 4, 2, 2, 1, 4096),
     ):
         default = get(problem.family).default_variant(problem, H100)
-        assert get(problem.family).deterministic(default) is default
+        assert get(problem.family).deterministic(default, problem, H100) is default
 
 
 def test_the_tuning_case_checks_and_poisons():

@@ -237,12 +237,13 @@ def deterministic_kernel_for(problem: Problem, gpu: Gpu) -> base.Kernel:
         return kernel
     served = kernel_for(problem, gpu)
     family = get(problem.family)
-    variant = family.deterministic(served.variant)
+    variant = family.deterministic(served.variant, problem, gpu)
+    kernel = served if variant == served.variant else base.build(family, variant, problem, gpu)
     with _LOCK:
-        kernel = _DETERMINISTIC.get((problem, gpu))
-        if kernel is None:
-            kernel = served if variant == served.variant else base.build(family, variant, problem, gpu)
-            _DETERMINISTIC[(problem, gpu)] = kernel
+        choice = _CHOICES.get((problem, gpu))
+        # Kept only while what it derives from is still served (forget() may have run since).
+        if choice is not None and choice.kernel is served:
+            kernel = _DETERMINISTIC.setdefault((problem, gpu), kernel)
     return kernel
 
 

@@ -294,14 +294,16 @@ class BackwardFamily:
         FlashAttention-2's loops (`loops_default`)."""
         return ws_default(problem, BackwardVariant) if runs_ws(problem, gpu) else loops_default(problem, gpu)
 
-    def deterministic(self, variant: BackwardVariant) -> BackwardVariant:
+    def deterministic(self, variant: BackwardVariant, problem: Problem, gpu: Gpu) -> BackwardVariant:
         """dQ added in a fixed order: the Hopper schedule's adds take turns in key-tile order, the
-        loops' atomic dQ becomes a pass of its own (the other dQ modes own their tiles of dQ)."""
+        loops' atomic dQ becomes a pass of its own (the other dQ modes own their tiles of dQ), or
+        where that pass's tiles would not fit, the loops' default."""
         if variant.schedule == "ws":
             return variant.replace(deterministic=True)
-        if variant.dq_mode == "atomic":
-            return variant.replace(dq_mode="separate")
-        return variant
+        if variant.dq_mode != "atomic":
+            return variant
+        separate = variant.replace(dq_mode="separate")
+        return separate if self.constraint(separate, problem, gpu) is None else loops_default(problem, gpu)
 
     def measure(self, problem: Problem) -> tuple[str, float]:
         """FLOPs as FlashAttention counts the backward: 2.5 times the forward's."""

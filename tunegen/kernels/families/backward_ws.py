@@ -19,8 +19,9 @@ SPARE_REGISTERS = 16
 
 
 def consumer_registers(variant: Any) -> int:
-    """Registers per thread of the consumer warpgroups: the register file less the producer's
-    warpgroup (a warp padded to four, at `producer_regs`), in multiples of 8, at most 256."""
+    """Registers per thread of the consumer warpgroups: the register file less the warpgroup of
+    the producer warp and the backward's dQ writer (padded to four warps, at `producer_regs`), in
+    multiples of 8, at most 256."""
     threads = variant.num_warps * 32
     return min(256, (REGISTER_FILE - 128 * variant.producer_regs) // threads // 8 * 8)
 

@@ -57,9 +57,9 @@ class Family(Protocol):
         """A sensible Variant when no Winner is known."""
         ...
 
-    def deterministic(self, variant: Variant) -> Variant:
-        """`variant`, or the closest Variant that gives the same bits on every run of the same
-        inputs (what torch.use_deterministic_algorithms asks for)."""
+    def deterministic(self, variant: Variant, problem: Problem, gpu: Gpu) -> Variant:
+        """`variant`, or the closest Variant that runs `problem` on `gpu` giving the same bits on
+        every run of the same inputs (what torch.use_deterministic_algorithms asks for)."""
         ...
 
     def check_variant(self, variant: Variant, problem: Problem, gpu: Gpu) -> None:

@@ -128,7 +128,7 @@ class DecodeFamily:
             block_n=block_n, num_splits=splits, num_warps=4, num_stages=1 if interpreted else 3, pack_gqa=True
         )
 
-    def deterministic(self, variant: DecodeVariant) -> DecodeVariant:
+    def deterministic(self, variant: DecodeVariant, problem: Problem, gpu: Gpu) -> DecodeVariant:
         """Every decode Variant gives the same bits on every run: a split cache's partial results
         are merged by one program, all splits at once, in a fixed order."""
         return variant

@@ -351,7 +351,7 @@ class PrefillFamily:
         ws = _ws_default(problem, gpu)
         return ws if ws is not None else fa2_default(problem, gpu)
 
-    def deterministic(self, variant: PrefillVariant) -> PrefillVariant:
+    def deterministic(self, variant: PrefillVariant, problem: Problem, gpu: Gpu) -> PrefillVariant:
         """Every prefill Variant gives the same bits on every run: no program adds into another's output."""
         return variant
 
