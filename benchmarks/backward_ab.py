@@ -125,6 +125,8 @@ def time_versions(tags: list[str], seqlens: list[int]) -> list[dict]:
             for tag in tags
             if (MODULES / f"{tag}_{name}.py").exists()
         }
+        if not modules:
+            continue
         for n in seqlens:
             b, h = 16384 // n, 2048 // d
             gen = torch.Generator(device="cuda").manual_seed(n + d)
