@@ -1,10 +1,12 @@
 """Tuning on every GPU of a host against tuning on one (issue 18): `tunegen tune --gpus SPEC`
 for each SPEC, each from nothing (its own database, Triton cache and kernel cache, so no run
-reuses another's compiles), timed by the wall clock; then each Problem's Winners from the runs
+reuses another's compiles), timed by the wall clock, with the run's own timeline of where each
+GPU's time went (`--timeline`, kept beside the results); then each Problem's Winners from the runs
 re-timed back to back on GPU 0 (interleaved, so that clock drift does not favour one), after a
 check against float64 on fresh inputs. Writes JSON and a markdown summary; prints the table.
 
     python3 multi_gpu.py --preset llama3-8b --runs 1,all -o results/multi_gpu_h200x2
+    python3 multi_gpu.py --preset llama3-8b --preset qwen2.5-7b --preset gpt2 -o ...  (9 Problems)
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from tunegen.tuning.timing import interleaved_ms
 from tunegen.tuning_db import Store
 
 
-def tune(spec: str, preset: str, work: Path, extra: list[str]) -> dict:
+def tune(spec: str, presets: list[str], work: Path, extra: list[str]) -> dict:
     """One `tunegen tune` run from empty caches: its wall time, database and log."""
     slug = re.sub(r"[^a-z0-9]+", "_", spec.lower())
     db = work / f"tune_gpus_{slug}.db"
@@ -38,7 +40,11 @@ def tune(spec: str, preset: str, work: Path, extra: list[str]) -> dict:
     for folder in caches.values():
         shutil.rmtree(folder, ignore_errors=True)
     env = dict(os.environ, **{k: str(v) for k, v in caches.items()})
-    command = ["tunegen", "tune", "--preset", preset, "--gpus", spec, "--db", f"sqlite:///{db}", *extra]
+    trace = work / f"timeline_{slug}.json"
+    command = [
+        *("tunegen", "tune", *(f"--preset={p}" for p in presets), "--gpus", spec, "--db", f"sqlite:///{db}"),
+        *("--timeline", str(trace), *extra),
+    ]
     start = time.monotonic()
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     wall = time.monotonic() - start
@@ -50,6 +56,8 @@ def tune(spec: str, preset: str, work: Path, extra: list[str]) -> dict:
         "wall_s": wall,
         "exit_code": done.returncode,
         "db": str(db),
+        "trace": str(trace),
+        "timeline": json.loads(trace.read_text())["summary"] if trace.exists() else [],
     }
 
 
@@ -96,6 +104,21 @@ def summary(runs: list[dict], rows: list[dict], device: str) -> str:
         lines.append(
             f"| `--gpus {run['gpus']}` | {run['wall_s']:.0f} s | {base_run['wall_s'] / run['wall_s']:.2f}x |"
         )
+    lines += [
+        "",
+        "Where each GPU's time went (the runs' own timelines; seconds):",
+        "",
+        "| run | GPU | wall | GPU busy | on the GPU | compile workers busy | waiting |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for run in runs:
+        for row in run["timeline"]:
+            kinds = ", ".join(f"{k} {v:.0f}" for k, v in sorted(row["gpu_s_by_kind"].items()))
+            waits = ", ".join(f"{k} {v:.0f}" for k, v in row["waits_s"].items() if v >= 0.5) or "-"
+            lines.append(
+                f"| `--gpus {run['gpus']}` | {row['gpu']} | {row['wall_s']:.0f} | {row['gpu_busy']:.0%} | "
+                f"{kinds} | {row['compile_busy']:.0%} of {row['compile_workers']} | {waits} |"
+            )
     specs = [run["gpus"] for run in runs]
     lines += [
         "",
@@ -118,7 +141,7 @@ def summary(runs: list[dict], rows: list[dict], device: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="llama3-8b")
+    parser.add_argument("--preset", action="append", help="repeatable (default: llama3-8b)")
     parser.add_argument("--runs", default="1,all", help="--gpus values, ';'-separated if they hold commas")
     parser.add_argument("--work", default="/tmp/multi_gpu")
     parser.add_argument("-o", "--output", required=True, help="results path without extension")
@@ -126,11 +149,16 @@ def main() -> None:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     specs = args.runs.split(";") if ";" in args.runs else args.runs.split(",")
-    runs = [tune(spec, args.preset, work, extra) for spec in specs]
+    runs = [tune(spec, args.preset or ["llama3-8b"], work, extra) for spec in specs]
     rows = retime([r for r in runs if r["exit_code"] == 0])
     device = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
+    for run in runs:
+        if Path(run["trace"]).exists():
+            kept = out.with_name(f"{out.name}_{Path(run['trace']).name}")
+            shutil.copyfile(run["trace"], kept)
+            run["trace"] = kept.name
     out.with_suffix(".json").write_text(
         json.dumps({"device": device, "runs": runs, "problems": rows}, indent=1)
     )

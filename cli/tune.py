@@ -104,6 +104,13 @@ from tunegen.cli.text import problem_text, speed, variant_text
     help="Tiny shapes under Triton's interpreter (the default without a GPU): checks the machinery.",
 )
 @click.option(
+    "--timeline",
+    type=click.Path(dir_okay=False, writable=True),
+    default=None,
+    help="Write where each GPU's time went (its GPU, compile workers, waits) to this file, as a "
+    "Chrome trace (Perfetto, chrome://tracing) with a per-GPU summary; the summary is printed too.",
+)
+@click.option(
     "--fp8",
     is_flag=True,
     help="FP8 Problems: prefill on e4m3 inputs (bf16 output), or decode over an e4m3 cache.",
@@ -127,11 +134,13 @@ def tune(
     workers,
     trial_timeout,
     dry_run,
+    timeline,
     fp8,
     db_url,
 ) -> None:
     """Find the fastest correct Variant for each Problem on this GPU and record it as the Winner."""
     import os
+    import time
 
     import torch
     from rich.console import Console
@@ -139,6 +148,7 @@ def tune(
     from rich.table import Table
 
     from tunegen.tuning import host, interrupt, presets
+    from tunegen.tuning import timeline as timelines
     from tunegen.tuning.tuner import TuneOptions
     from tunegen.tuning_db import TuningDbError
 
@@ -223,8 +233,12 @@ def tune(
         def finished(gpu, j, outcome):
             progress.update(tasks[(gpu, j)], completed=options.trials)
 
+        spans: dict[str, list] = {r.name: [] for r in ranks}
+        started = time.time()
         try:
-            outcomes = host.tune_on(todo, ranks, options, report, finished)
+            outcomes = host.tune_on(
+                todo, ranks, options, report, finished, lambda rank, more: spans[rank].extend(more)
+            )
         except (TuningDbError, ValueError, host.HostError) as exc:
             raise click.ClickException(str(exc)) from None
         except interrupt.Interrupted as exc:
@@ -257,6 +271,34 @@ def tune(
             f"{o.wall_s:.0f} s",
         )
     console.print(table)
+    if timeline or len(ranks) > 1:
+        ended = time.time()
+        console.print(_where_time_went(timelines.summary(spans, started, ended)))
+        if timeline:
+            timelines.write(timeline, spans, started, ended)
+            console.print(f"timeline written to {timeline}")
+
+
+def _where_time_went(rows: list[dict]) -> Any:
+    """The timeline's summary as a table: per GPU, how busy its GPU and compile workers were."""
+    from rich.table import Table
+
+    table = Table(title="where each GPU's time went")
+    for col in ("gpu", "wall", "GPU busy", "on the GPU", "compile workers busy", "waiting", "trials"):
+        table.add_column(col)
+    for row in rows:
+        kinds = ", ".join(f"{k} {v:.0f} s" for k, v in sorted(row["gpu_s_by_kind"].items()))
+        waits = ", ".join(f"{k} {v:.0f} s" for k, v in row["waits_s"].items() if v >= 0.5) or "-"
+        table.add_row(
+            row["gpu"],
+            f"{row['wall_s']:.0f} s",
+            f"{row['gpu_busy']:.0%}",
+            kinds or "-",
+            f"{row['compile_busy']:.0%} of {row['compile_workers']}",
+            waits,
+            f"{row['trials_timed']} timed, {row['trials_compiled']} compiled",
+        )
+    return table
 
 
 def _given(name: str) -> bool:

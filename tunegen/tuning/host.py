@@ -27,6 +27,7 @@ from tunegen.kernels.problem import Problem
 from tunegen.tuning import study as studies
 from tunegen.tuning.interrupt import Interrupted, blocked, raising
 from tunegen.tuning.options import MAX_SEED
+from tunegen.tuning.timeline import TUNER, WAIT_HOST, Span
 from tunegen.tuning.tuner import Outcome, TuneOptions, Tuner
 
 # A rank that dies more often than this on one GPU stops the run (its GPU is likely unusable).
@@ -47,6 +48,11 @@ class Rank:
     index: int
     visible: str | None
     gpu: Gpu
+
+    @property
+    def name(self) -> str:
+        """How the timeline and messages name the rank."""
+        return f"{'stand-in' if self.gpu.backend == 'interpreter' else 'GPU'} {self.index}"
 
 
 def select(spec: str, count: int) -> list[int]:
@@ -113,10 +119,13 @@ def _environment(name: str, value: str | None) -> Iterator[None]:
             os.environ[name] = before
 
 
-def _rank_main(rank: Rank, problems: list[Problem], options: TuneOptions, start: int, conn: Any) -> None:
+def _rank_main(
+    rank: Rank, problems: list[Problem], options: TuneOptions, start: int, share: tuple[int, int], conn: Any
+) -> None:
     """A rank: search the Problems from `start` on, asking this host's process between Problems
-    whether to finish one (finalize), go on, or stop. It talks through a pipe of its own, which
-    dies with it: nothing it sent can be mistaken for its successor's."""
+    whether to finish one (finalize), go on, or stop. Of its model's `share` = (its position, the
+    model's ranks) it times the peers of every so many Problems. It talks through a pipe of its
+    own, which dies with it: nothing it sent can be mistaken for its successor's."""
     parent = multiprocessing.parent_process()
     if options.cpus and len(options.cpus) > 1 and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, options.cpus[1:])  # the first core is the timing worker's alone
@@ -128,21 +137,28 @@ def _rank_main(rank: Rank, problems: list[Problem], options: TuneOptions, start:
         return conn.recv()
 
     try:
-        with raising(), Tuner(rank.gpu, options) as tuner:
+        position, ranks = share
+        peers = {p for j, p in enumerate(problems) if j % ranks == position}
+        with raising(), Tuner(rank.gpu, options, times_peers=peers.__contains__) as tuner:
 
             def checkpoint(searched: int | None, more: bool) -> str:
+                conn.send(("spans", tuner.timeline.take()))
                 conn.send(("ready", searched, more))
                 while True:
-                    kind, *args = answer()
+                    with tuner.timeline.span(TUNER, WAIT_HOST):
+                        kind, *args = answer()
                     if kind != "finalize":
+                        conn.send(("spans", tuner.timeline.take()))
                         return kind
                     (j,) = args
                     conn.send(("outcome", j, tuner.finalize(problems[j])))
+                    conn.send(("spans", tuner.timeline.take()))
                     conn.send(("ready", None, more))
 
             for i in range(start, len(problems)):
                 conn.send(("start", i))
-                tuner.search(problems[i], lambda state, i=i: conn.send(("progress", i, state)))
+                then = problems[i + 1] if i + 1 < len(problems) else None
+                tuner.search(problems[i], lambda state, i=i: conn.send(("progress", i, state)), then)
                 if checkpoint(i, i + 1 < len(problems)) == "stop":
                     return
             if start >= len(problems):
@@ -172,11 +188,12 @@ class _State:
 class _Host:
     """Starts the ranks, answers them, restarts the dead, and collects the Outcomes."""
 
-    def __init__(self, problems, ranks, options, progress, finished) -> None:
+    def __init__(self, problems, ranks, options, progress, finished, record) -> None:
         self.problems = problems
         self.options = options
         self.progress = progress
         self.finished = finished
+        self.record = record
         self.context = multiprocessing.get_context("spawn")
         self.states = [_State(rank, position) for position, rank in enumerate(ranks)]
         self.outcomes: dict[tuple[Gpu, int], Outcome] = {}
@@ -194,7 +211,9 @@ class _Host:
             cpus=cores(state.position, len(self.states)),
             seed=(self.options.seed + state.position) % (MAX_SEED + 1),
         )
-        args = (state.rank, self.problems, options, state.current, child)
+        members = self._members(state.rank.gpu)
+        share = (members.index(state), len(members))
+        args = (state.rank, self.problems, options, state.current, share, child)
         # Signals wait until the rank can give its trials back (`raising` in _rank_main).
         with _environment("CUDA_VISIBLE_DEVICES", state.rank.visible), blocked():
             state.process = self.context.Process(
@@ -264,8 +283,10 @@ class _Host:
             self.outcomes[(gpu, j)] = outcome
             self.finished(gpu, j, outcome)
             self._answer_waiting(gpu)
+        elif kind == "spans":
+            self.record(state.rank.name, args[0])
         elif kind == "error":
-            raise HostError(f"GPU {state.rank.index}: {args[0]}")
+            raise HostError(f"{state.rank.name}: {args[0]}")
 
     def _revive(self, state: _State) -> None:
         state.process.join()
@@ -273,7 +294,7 @@ class _Host:
         state.restarts += 1
         if state.restarts > MAX_RESTARTS:
             raise HostError(
-                f"GPU {state.rank.index}: its tuning process died {state.restarts} times "
+                f"{state.rank.name}: its tuning process died {state.restarts} times "
                 f"(last exit code {code}); the studies keep what was done: run again to resume"
             )
         state.conn.close()
@@ -305,6 +326,14 @@ class _Host:
         self._stop(terminate=False)
         return self.outcomes
 
+    def _last_spans(self, state: _State, deadline: float) -> None:
+        """Take what a stopping rank still sends (its last spans) until its pipe closes."""
+        with contextlib.suppress(EOFError, OSError):
+            while state.conn.poll(max(0.0, deadline - time.monotonic())):
+                kind, *args = state.conn.recv()
+                if kind == "spans":
+                    self.record(state.rank.name, args[0])
+
     def _stop(self, *, terminate: bool) -> None:
         """Stop the ranks: those still running are told to stop, or with `terminate` (the run is
         interrupted or failed) sent SIGTERM, on which each gives its trials back to the study and
@@ -320,6 +349,8 @@ class _Host:
         for state in self.states:
             if state.process is None:
                 continue
+            if not terminate:
+                self._last_spans(state, deadline)
             state.process.join(max(0.1, deadline - time.monotonic()))
             if state.process.is_alive():
                 state.process.kill()
@@ -332,21 +363,25 @@ def tune_on(
     options: TuneOptions,
     progress: Callable[[Gpu, int, dict[str, Any]], None],
     finished: Callable[[Gpu, int, Outcome], None],
+    record: Callable[[str, list[Span]], None] = lambda rank, spans: None,
 ) -> dict[tuple[Gpu, int], Outcome]:
     """Tune every Problem on every GPU model among `ranks`; the Outcome of each (model, Problem
     index). One rank on this process's own device runs here; more run one process per GPU.
+    `record` receives each rank's timeline spans (by `Rank.name`) as they come.
 
     SIGINT (Ctrl-C) or SIGTERM stops the run: every process gives the trials it holds back to the
     study (failed, their Variants queued again) and exits, and `Interrupted` is raised here, so a
     rerun resumes at once rather than after the heartbeat's grace period."""
     with raising():
         if len(ranks) > 1 or ranks[0].visible is not None:
-            return _Host(problems, ranks, options, progress, finished).run()
+            return _Host(problems, ranks, options, progress, finished, record).run()
         gpu = ranks[0].gpu
         outcomes = {}
         with Tuner(gpu, dataclasses.replace(options, cpus=cores(0, 1))) as tuner:
             for j, problem in enumerate(problems):
-                outcome = tuner.tune(problem, lambda state, j=j: progress(gpu, j, state))
+                then = problems[j + 1] if j + 1 < len(problems) else None
+                outcome = tuner.tune(problem, lambda state, j=j: progress(gpu, j, state), then)
                 outcomes[(gpu, j)] = outcome
+                record(ranks[0].name, tuner.timeline.take())
                 finished(gpu, j, outcome)
         return outcomes

@@ -58,10 +58,22 @@ def median_ms(
     return statistics.median(times)
 
 
+def warm_task(payload: dict[str, Any]) -> dict[str, Any]:
+    """Nothing but what every task needs first: this module's imports (Triton, torch, the
+    families), done as it is unpickled, and on a GPU the CUDA context. A worker that gets it at
+    start is ready when its first trial comes, rather than making that trial wait."""
+    if payload["backend"] == "cuda":
+        torch.empty(1, device="cuda")
+        torch.cuda.synchronize()
+    return {"status": "ok"}
+
+
 def compile_task(payload: dict[str, Any]) -> dict[str, Any]:
     """Render, compile and load the binary for the case's inputs (so it is in Triton's cache for
     the timing worker), without running the kernel: the timing worker may be timing on that GPU.
-    Only making the inputs touches it; their memory is given back at once, for the next worker."""
+    Only making the inputs touches it; their memory is given back at once, for the next worker.
+    The result says how many seconds it took (the tuner paces its compiles by it)."""
+    start = time.monotonic()
     problem = Problem(**payload["problem"])
     family = get(problem.family)
     device = _device(payload)
@@ -71,7 +83,7 @@ def compile_task(payload: dict[str, Any]) -> dict[str, Any]:
     _sync(payload)
     if payload["backend"] == "cuda":
         torch.cuda.empty_cache()
-    return {"status": "ok"}
+    return {"status": "ok", "seconds": time.monotonic() - start}
 
 
 def evaluate_task(payload: dict[str, Any]) -> dict[str, Any]:

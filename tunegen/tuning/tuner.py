@@ -27,6 +27,7 @@ import optuna
 import torch
 from optuna.trial import TrialState
 
+from tunegen.cli.text import problem_text
 from tunegen.kernels.database import database_url, gpu_record, open_store
 from tunegen.kernels.families import get
 from tunegen.kernels.families.base import choose
@@ -35,10 +36,12 @@ from tunegen.kernels.problem import Problem
 from tunegen.kernels.render import template_hash
 from tunegen.kernels.variant import Variant
 from tunegen.tuning import study as studies
+from tunegen.tuning.flight import GPU_QUEUE, Flight, Pending
 from tunegen.tuning.interrupt import deferred
 from tunegen.tuning.options import TuneOptions
+from tunegen.tuning.timeline import GPU, TUNER, WAIT_OTHERS, Timeline
 from tunegen.tuning.timing import rate
-from tunegen.tuning.trial import compile_task, evaluate_task, peers_task
+from tunegen.tuning.trial import compile_task, evaluate_task, peers_task, warm_task
 from tunegen.tuning.workers import Worker, WorkerPool
 from tunegen.tuning_db import FailureRecord, WinnerRecord
 
@@ -62,10 +65,33 @@ class Outcome:
     wall_s: float
 
 
-class Tuner:
-    """Tunes Problems on one Gpu; holds the worker processes and the database between Problems."""
+def label(problem: Problem) -> str:
+    """How the timeline names a Problem."""
+    return problem_text(problem.as_dict())
 
-    def __init__(self, gpu: Gpu, options: TuneOptions) -> None:
+
+@dataclasses.dataclass
+class _Asks:
+    """Where asking for one Problem's trials stands: its study and space, the Variants that
+    failed before, how many were asked, whether its limits still allow more."""
+
+    study: optuna.Study
+    family: Any
+    space: dict[str, list]
+    failures: dict[str, str]
+    start: float
+    asked: int = 0
+    more: bool = True
+
+
+class Tuner:
+    """Tunes Problems on one Gpu; holds the worker processes and the database between Problems.
+    `times_peers` says for which Problems this process times the peers (the processes sharing
+    a study split them; whoever finishes a Problem times them where nobody did)."""
+
+    def __init__(
+        self, gpu: Gpu, options: TuneOptions, times_peers: Callable[[Problem], bool] = lambda problem: True
+    ) -> None:
         self.gpu = gpu
         self.options = options
         self.url = database_url(options.url)
@@ -75,12 +101,23 @@ class Tuner:
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         interpret = gpu.backend == "interpreter"
         cpus = options.cpus if options.cpus and len(options.cpus) > 1 else None
-        self.pool = WorkerPool(options.workers, interpret=interpret, cpus=cpus and cpus[1:])
-        self.timer = Worker(interpret=interpret, cpus=cpus and cpus[:1])
+        self.timeline = Timeline()
+        with self.timeline.span(TUNER, "starting workers"):
+            self.pool = WorkerPool(
+                options.workers, interpret=interpret, cpus=cpus and cpus[1:], timeline=self.timeline
+            )
+            self.timer = Worker(interpret=interpret, cpus=cpus and cpus[:1])
         self._timing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tunegen-timing")
+        warm = {"backend": gpu.backend}
+        self._timing.submit(self._on_gpu, "warm-up", None, warm_task, warm)
+        for _ in range(self.pool.size):
+            self.pool.submit(warm_task, warm, options.trial_timeout, ("warm-up", ""))
         self.record = gpu_record(gpu, driver_version() if gpu.backend == "cuda" else "")
         self._studies: dict[Problem, optuna.Study] = {}
         self._peers: dict[Problem, dict[str, Any]] = {}
+        self._asks: dict[Problem, _Asks] = {}
+        self.flight = Flight(self.pool.size)
+        self.times_peers = times_peers
 
     def close(self, *, abandon: bool = False) -> None:
         """Stop the workers and the heartbeat, close the store. With `abandon` (this process stops
@@ -91,7 +128,7 @@ class Tuner:
             if abandon:
                 self.pool.kill()
                 self.timer.kill()
-            self._timing.shutdown(wait=True)
+            self._timing.shutdown(wait=True, cancel_futures=abandon)
             self.heartbeat.close(abandon=abandon)
             self.pool.close()
             self.timer.close()
@@ -138,97 +175,160 @@ class Tuner:
         self._studies[problem] = study
         return study
 
-    def tune(self, problem: Problem, progress: Callable[[dict[str, Any]], None] | None = None) -> Outcome:
-        """Search `problem`'s Variants, then record the fastest verified one as the Winner."""
+    def tune(
+        self,
+        problem: Problem,
+        progress: Callable[[dict[str, Any]], None] | None = None,
+        then: Problem | None = None,
+    ) -> Outcome:
+        """Search `problem`'s Variants, then record the fastest verified one as the Winner (`then`:
+        the Problem tuned next, see `search`)."""
         start = time.monotonic()
-        self.search(problem, progress)
+        self.search(problem, progress, then)
         return self.finalize(problem, progress, start=start)
 
-    def search(self, problem: Problem, progress: Callable[[dict[str, Any]], None] | None = None) -> None:
+    def search(
+        self,
+        problem: Problem,
+        progress: Callable[[dict[str, Any]], None] | None = None,
+        then: Problem | None = None,
+    ) -> None:
         """Evaluate trials of `problem` until `trials` are evaluated or held (by any process
-        sharing the study), the time limit passes, or the space runs out."""
-        start = time.monotonic()
-        opts = self.options
-        family = get(problem.family)
-        space = family.search_space(problem, self.gpu)
-        study = self._study(problem)
-        studies.fail_stale(study, opts.grace_s)
-        known_failures = self.store.failures(
-            self.record, problem.family, problem.as_dict(), self.gpu.triton_version
-        )
-        compiling: dict[concurrent.futures.Future, tuple] = {}
-        ready: deque[tuple] = deque()
-        timing: tuple | None = None
-        if problem not in self._peers:  # first, while the first Variants compile: the bar to beat
-            payload = self._payload(problem, None, opts.seed)
-            timing = (
-                self._timing.submit(self.timer.call, peers_task, payload, opts.trial_timeout),
-                None,
-                None,
-            )
-        asked, more, swept = 0, True, time.monotonic()
-        while True:
-            if time.monotonic() - swept > opts.heartbeat_s:
-                studies.fail_stale(
-                    study, opts.grace_s
-                )  # a dead process's claims stop counting, its Variants come back
-                swept = time.monotonic()
-            while more and len(compiling) + len(ready) < self.pool.size:
-                if (
-                    (opts.timeout is not None and time.monotonic() - start > opts.timeout)
-                    or asked >= max(200, 20 * opts.trials)
-                    or (
-                        isinstance(study.sampler, optuna.samplers.GridSampler)
-                        and study.sampler.is_exhausted(study)
-                    )
-                ):
-                    more = False
-                    break
-                if studies.claimed(study) >= opts.trials:
-                    break
-                with deferred():  # a trial asked for is held before a signal can stop this process
-                    trial = studies.ask(study)
-                    self.heartbeat.hold(trial)
-                    trial.set_user_attr("owner", self.owner)
-                asked += 1
-                params = choose(family, space, trial.suggest_categorical)
-                variant, reason = self._screen(family, params, problem, study, trial, known_failures)
-                if reason is not None:
-                    studies.conclude(study, trial, {"reason": reason}, state=TrialState.PRUNED)
-                    self.heartbeat.release(trial)
-                    continue
-                payload = self._payload(problem, variant, opts.seed + trial.number)
-                future = self.pool.submit(compile_task, payload, opts.trial_timeout)
-                compiling[future] = (trial, variant, payload)
-            if timing is None and ready:
-                trial, variant, payload = ready.popleft()
-                future = self._timing.submit(self.timer.call, evaluate_task, payload, opts.trial_timeout)
-                timing = (future, trial, variant)
-            if not compiling and timing is None:
-                return
-            waiting = [*compiling, *([timing[0]] if timing else [])]
-            done, _ = concurrent.futures.wait(waiting, return_when=concurrent.futures.FIRST_COMPLETED)
-            with deferred():  # results are told whole: a signal lands while waiting, not mid-write
-                self._take(study, problem, done, compiling, ready, timing, progress)
-            timing = None if timing is not None and timing[0] in done else timing
+        sharing the study), the time limit passes, or the space runs out. Once `problem` has no
+        trial left to ask for, the compile workers go on to the first trials of `then` (the
+        Problem searched next, which times them), so that they do not wait while the GPU
+        finishes `problem`, nor the GPU for them at the start of `then`."""
+        asks = self._asks.get(problem) or self._asking(problem)
+        self._asks[problem] = asks
+        studies.fail_stale(asks.study, self.options.grace_s)
+        if self._peer(asks.study, problem) is None and self.times_peers(problem):
+            # first, while the first Variants compile: the bar to beat
+            payload = self._payload(problem, None, self.options.seed)
+            self._on_gpu_queue(Pending(problem, None, None, payload))
+        swept = time.monotonic()
+        try:
+            while True:
+                if time.monotonic() - swept > self.options.heartbeat_s:
+                    # a dead process's claims stop counting, its Variants come back
+                    studies.fail_stale(asks.study, self.options.grace_s)
+                    swept = time.monotonic()
+                self._dispatch(problem)
+                more = self._fill(problem, then)
+                self._dispatch(problem)
+                if not more and not self.flight.holds(problem):
+                    return
+                done, _ = concurrent.futures.wait(
+                    self.flight.futures(), return_when=concurrent.futures.FIRST_COMPLETED
+                )
+                with deferred():  # results are told whole: a signal lands while waiting, not mid-write
+                    self._take(done, problem, progress)
+        finally:
+            self._asks.pop(problem, None)
 
-    def _take(self, study, problem, done, compiling, ready, timing, progress) -> None:
-        """Tell the study what the `done` futures found: a compiled Variant goes to `ready`, a
+    def _asking(self, problem: Problem) -> _Asks:
+        family = get(problem.family)
+        return _Asks(
+            study=self._study(problem),
+            family=family,
+            space=family.search_space(problem, self.gpu),
+            failures=self.store.failures(
+                self.record, problem.family, problem.as_dict(), self.gpu.triton_version
+            ),
+            start=time.monotonic(),
+        )
+
+    def _can_ask(self, problem: Problem, asks: _Asks) -> bool:
+        """Whether `problem` has trials left to ask for: none of its limits reached, and fewer
+        than `trials` evaluated or held by the processes sharing its study."""
+        opts, study = self.options, asks.study
+        if asks.more and (
+            (opts.timeout is not None and time.monotonic() - asks.start > opts.timeout)
+            or asks.asked >= max(200, 20 * opts.trials)
+            or (isinstance(study.sampler, optuna.samplers.GridSampler) and study.sampler.is_exhausted(study))
+        ):
+            asks.more = False
+        return asks.more and studies.claimed(study) < opts.trials
+
+    def _fill(self, problem: Problem, then: Problem | None) -> bool:
+        """Ask for trials and start compiling them, `problem`'s first, then `then`'s, while fewer
+        than the flight's depth are ahead of the GPU; whether `problem` has trials left to ask."""
+        asks = self._asks[problem]
+        while self.flight.ahead(problem) < self.flight.depth():
+            if not self._can_ask(problem, asks):
+                break
+            self._ask(problem, asks)
+        else:
+            return True
+        if then is not None:
+            ahead = self._asks.get(then) or self._asking(then)
+            self._asks[then] = ahead
+            while self.flight.ahead() < self.flight.depth() and self._can_ask(then, ahead):
+                self._ask(then, ahead)
+        return False
+
+    def _ask(self, problem: Problem, asks: _Asks) -> None:
+        """One trial from the sampler: screened (pruned with the reason) or sent to compile."""
+        opts, study = self.options, asks.study
+        asking = time.time()
+        with deferred():  # a trial asked for is held before a signal can stop this process
+            trial = studies.ask(study)
+            self.heartbeat.hold(trial)
+            trial.set_user_attr("owner", self.owner)
+        asks.asked += 1
+        params = choose(asks.family, asks.space, trial.suggest_categorical)
+        variant, reason = self._screen(asks.family, params, problem, study, trial, asks.failures)
+        self.timeline.add(TUNER, "asking the sampler", asking, time.time(), label(problem))
+        if reason is not None:
+            studies.conclude(study, trial, {"reason": reason}, state=TrialState.PRUNED)
+            self.heartbeat.release(trial)
+            return
+        payload = self._payload(problem, variant, opts.seed + trial.number)
+        future = self.pool.submit(
+            compile_task, payload, opts.trial_timeout, (f"trial {trial.number}", label(problem))
+        )
+        self.flight.compiling[future] = Pending(problem, trial, variant, payload)
+
+    def _dispatch(self, problem: Problem) -> None:
+        """Queue `problem`'s compiled trials on the GPU, up to its queue's length."""
+        ready = self.flight.ready.get(problem)
+        while ready and len(self.flight.timing) < GPU_QUEUE:
+            self._on_gpu_queue(ready.popleft())
+
+    def _on_gpu_queue(self, pending: Pending) -> None:
+        if pending.trial is None:
+            future = self._timing.submit(self._on_gpu, "peers", pending.problem, peers_task, pending.payload)
+        else:
+            future = self._timing.submit(self._evaluate, pending)
+        self.flight.timing[future] = pending
+
+    def _evaluate(self, pending: Pending) -> dict[str, Any]:
+        start = time.monotonic()
+        name = f"trial {pending.trial.number}"
+        result = self._on_gpu(name, pending.problem, evaluate_task, pending.payload)
+        self.flight.timed(time.monotonic() - start)
+        return result
+
+    def _take(self, done, current: Problem, progress) -> None:
+        """Tell the studies what the `done` futures found: a compiled Variant waits for the GPU, a
         timed one (or a failure) is concluded, the peers' time kept."""
         for future in done:
-            if future in compiling:
-                trial, variant, payload = compiling.pop(future)
-                if future.result()["status"] == "ok":
-                    ready.append((trial, variant, payload))
+            if future in self.flight.compiling:
+                pending = self.flight.compiling.pop(future)
+                result = future.result()
+                if result["status"] == "ok":
+                    self.flight.compiled(result["seconds"])
+                    self.flight.ready.setdefault(pending.problem, deque()).append(pending)
                     continue
             else:
-                _, trial, variant = timing
-            if trial is None:
-                self._peer_measured(study, problem, future.result())
+                pending = self.flight.timing.pop(future)
+                result = future.result()
+            study = self._study(pending.problem)
+            if pending.trial is None:
+                self._peer_measured(study, pending.problem, result)
             else:
-                self._conclude(study, problem, trial, variant, future.result())
-            if progress is not None:
-                progress(self._progress(study, problem))
+                self._conclude(study, pending.problem, pending.trial, pending.variant, result)
+            if progress is not None and pending.problem == current:
+                progress(self._progress(study, current))
 
     def _peer_measured(self, study: optuna.Study, problem: Problem, result: dict[str, Any]) -> None:
         """Keep the fastest peer's time (for the progress line and the Winner's record), and share
@@ -280,9 +380,7 @@ class Tuner:
         self._settle(study, problem, progress)
         if self._peer(study, problem) is None:
             payload = self._payload(problem, None, self.options.seed)
-            self._peer_measured(
-                study, problem, self.timer.call(peers_task, payload, self.options.trial_timeout)
-            )
+            self._peer_measured(study, problem, self._on_gpu("peers", problem, peers_task, payload))
         peer = self._peer(study, problem) or {}
         return self._finish(study, problem, get(problem.family), peer, start)
 
@@ -290,11 +388,12 @@ class Tuner:
         opts = self.options
         deadline = time.monotonic() + opts.grace_s + 3 * opts.trial_timeout
         for _ in range(SETTLE_ROUNDS):
-            while time.monotonic() < deadline:
-                studies.fail_stale(study, opts.grace_s)
-                if not any(studies.holds_claim(t) for t in study.get_trials(deepcopy=False)):
-                    break
-                time.sleep(min(1.0, opts.heartbeat_s))
+            with self.timeline.span(TUNER, WAIT_OTHERS, label(problem)):
+                while time.monotonic() < deadline:
+                    studies.fail_stale(study, opts.grace_s)
+                    if not any(studies.holds_claim(t) for t in study.get_trials(deepcopy=False)):
+                        break
+                    time.sleep(min(1.0, opts.heartbeat_s))
             if studies.claimed(study) >= opts.trials or not study.get_trials(
                 deepcopy=False, states=(TrialState.WAITING,)
             ):
@@ -311,13 +410,20 @@ class Tuner:
         for trial in ranked:
             payload = self._payload(problem, None, self.options.seed + trial.number)
             payload.update(variant=trial.user_attrs["variant"], rep_ms=FINAL_REP_MS)
-            result = self.timer.call(evaluate_task, payload, self.options.trial_timeout)
+            result = self._on_gpu("final round", problem, evaluate_task, payload)
             if result["status"] == "ok":
                 timed.append((result["ms"], trial.number, trial))
         if not timed:
             return ranked[0], float(ranked[0].value)
         ms, _, trial = min(timed)
         return trial, float(ms)
+
+    def _on_gpu(
+        self, name: str, problem: Problem | None, task: Any, payload: dict[str, Any]
+    ) -> dict[str, Any]:
+        """`task(payload)` in the timing worker, recorded on the timeline's GPU lane."""
+        with self.timeline.span(GPU, name, label(problem) if problem else ""):
+            return self.timer.call(task, payload, self.options.trial_timeout)
 
     def _screen(
         self, family, params, problem, study, trial, known_failures

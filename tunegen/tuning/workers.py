@@ -14,6 +14,7 @@ from typing import Any
 
 from tunegen.kernels.render import interpreting
 from tunegen.tuning.interrupt import blocked, unblock
+from tunegen.tuning.timeline import Timeline, compile_lane
 
 Task = Callable[[dict[str, Any]], dict[str, Any]]
 
@@ -107,13 +108,22 @@ class Worker:
 
 
 class WorkerPool:
-    """Several Workers for work that may run side by side (compiling)."""
+    """Several Workers for work that may run side by side (compiling); with a `timeline`, each
+    task is recorded on its worker's lane."""
 
-    def __init__(self, size: int, *, interpret: bool, cpus: tuple[int, ...] | None = None) -> None:
-        self._workers: queue.Queue[Worker] = queue.Queue()
+    def __init__(
+        self,
+        size: int,
+        *,
+        interpret: bool,
+        cpus: tuple[int, ...] | None = None,
+        timeline: Timeline | None = None,
+    ) -> None:
+        self._workers: queue.Queue[tuple[int, Worker]] = queue.Queue()
         self._all = [Worker(interpret=interpret, cpus=cpus) for _ in range(max(1, size))]
-        for worker in self._all:
-            self._workers.put(worker)
+        self._timeline = timeline
+        for index, worker in enumerate(self._all):
+            self._workers.put((index, worker))
         self._threads = concurrent.futures.ThreadPoolExecutor(
             len(self._all), thread_name_prefix="tunegen-pool"
         )
@@ -123,15 +133,21 @@ class WorkerPool:
         """How many tasks run at once."""
         return len(self._all)
 
-    def submit(self, task: Task, payload: dict[str, Any], timeout: float) -> concurrent.futures.Future:
-        """Run `task(payload)` on whichever worker is free; the future holds its result."""
+    def submit(
+        self, task: Task, payload: dict[str, Any], timeout: float, label: tuple[str, str] = ("", "")
+    ) -> concurrent.futures.Future:
+        """Run `task(payload)` on whichever worker is free; the future holds its result. `label`:
+        the (name, Problem) its timeline span shows."""
 
         def run() -> dict[str, Any]:
-            worker = self._workers.get()
+            index, worker = self._workers.get()
             try:
-                return worker.call(task, payload, timeout)
+                if self._timeline is None:
+                    return worker.call(task, payload, timeout)
+                with self._timeline.span(compile_lane(index), *label):
+                    return worker.call(task, payload, timeout)
             finally:
-                self._workers.put(worker)
+                self._workers.put((index, worker))
 
         return self._threads.submit(run)
 

@@ -86,12 +86,12 @@ def backward_peer(
 
 
 def backward_case(problem: Problem, kernel: Kernel | None, device: torch.device, seed: int) -> Case:
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device).manual_seed(seed)
     dtype = TORCH_DTYPES[problem.dtype]
     b, nq, nk, d = problem.batch, problem.seqlen_q, problem.seqlen_k, problem.head_dim
     hq, hkv = problem.num_heads_q, problem.num_heads_kv
     q, k, v, dout = (
-        torch.randn(b, h, n, d, generator=gen).to(device, dtype)
+        torch.randn(b, h, n, d, generator=gen, device=device).to(dtype)
         for h, n in ((hq, nq), (hkv, nk), (hkv, nk), (hq, nq))
     )
     scale = d**-0.5

@@ -17,11 +17,12 @@ FULL_REFERENCE_LIMIT = 2**22  # score elements: above this, check sampled rows
 
 
 def prefill_case(problem: Problem, kernel: Kernel | None, device: torch.device, seed: int) -> Case:
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device).manual_seed(seed)
+    rows = torch.Generator().manual_seed(seed)  # which rows the sampled check takes
     dtype = TORCH_DTYPES[problem.dtype]
     b, nq, nk, d = problem.batch, problem.seqlen_q, problem.seqlen_k, problem.head_dim
     q, k, v = (
-        torch.randn(b, h, n, d, generator=gen).to(device, dtype)
+        torch.randn(b, h, n, d, generator=gen, device=device).to(dtype)
         for h, n in ((problem.num_heads_q, nq), (problem.num_heads_kv, nk), (problem.num_heads_kv, nk))
     )
     scale = d**-0.5
@@ -36,7 +37,7 @@ def prefill_case(problem: Problem, kernel: Kernel | None, device: torch.device, 
         if b * problem.num_heads_q * nq * nk <= FULL_REFERENCE_LIMIT:
             ref, _ = attention_reference(q, k, v, causal=problem.causal, scale=scale)
             return float((out.double() - ref).norm() / ref.norm())
-        return sampled_error(out, q, k, v, causal=problem.causal, scale=scale, rows=128, generator=gen)
+        return sampled_error(out, q, k, v, causal=problem.causal, scale=scale, rows=128, generator=rows)
 
     out = torch.full(q.shape, float("nan"), device=device, dtype=dtype)
     launch = lse = None

@@ -1,0 +1,83 @@
+"""The trials one tuning process has in flight: compiling, compiled and waiting for the GPU, and
+on the GPU; and how many to keep ahead of the GPU.
+
+The GPU (the timing worker) is what a search waits for: a trial's check and timing take longer
+than its compile. So the GPU gets its next trial queued behind the one it runs (it never waits for
+the tuner's bookkeeping), and just enough trials are kept compiling or compiled ahead of it that
+it never waits for a compile: each one more is asked of the sampler blind (before the results
+ahead of it are known) and, near a Problem's end, held by this process while other processes
+sharing the study have none left to take.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import math
+from collections import deque
+from typing import Any
+
+import optuna
+
+from tunegen.kernels.problem import Problem
+from tunegen.kernels.variant import Variant
+
+# Trials queued on the GPU at once: the one it runs and the next.
+GPU_QUEUE = 2
+# Trials kept ahead of the GPU before the first compile and timing have been measured.
+FIRST_AHEAD = 4
+# Weight of the newest measurement in the running compile and timing estimates.
+SMOOTHING = 0.3
+
+
+@dataclasses.dataclass(frozen=True)
+class Pending:
+    """A trial in flight (`trial` None: the peers' timing for `problem`)."""
+
+    problem: Problem
+    trial: optuna.Trial | None
+    variant: Variant | None
+    payload: dict[str, Any]
+
+
+class Flight:
+    """What is in flight, and running estimates of a compile's and a GPU timing's seconds."""
+
+    def __init__(self, compile_workers: int) -> None:
+        self.workers = compile_workers
+        self.compiling: dict[concurrent.futures.Future, Pending] = {}
+        self.ready: dict[Problem, deque[Pending]] = {}
+        self.timing: dict[concurrent.futures.Future, Pending] = {}
+        self.compile_s: float | None = None
+        self.gpu_s: float | None = None
+
+    def ahead(self, problem: Problem | None = None) -> int:
+        """Trials compiling or compiled, not yet on the GPU (of `problem`, or of any)."""
+        compiling = sum(1 for p in self.compiling.values() if problem in (None, p.problem))
+        if problem is not None:
+            return compiling + len(self.ready.get(problem, ()))
+        return compiling + sum(len(q) for q in self.ready.values())
+
+    def depth(self) -> int:
+        """How many trials to keep ahead of the GPU: a compile's time over a timing's, plus two
+        (one to take, one for a slow compile), within the compile workers there are."""
+        if self.compile_s is None or self.gpu_s is None:
+            return min(self.workers, FIRST_AHEAD)
+        return max(2, min(self.workers, math.ceil(self.compile_s / max(self.gpu_s, 1e-3)) + 2))
+
+    def holds(self, problem: Problem) -> bool:
+        """Whether anything of `problem` is compiling, waiting for the GPU or on it."""
+        return bool(self.ahead(problem)) or any(p.problem == problem for p in self.timing.values())
+
+    def futures(self) -> list[concurrent.futures.Future]:
+        return [*self.compiling, *self.timing]
+
+    def compiled(self, seconds: float) -> None:
+        self.compile_s = _smoothed(self.compile_s, seconds)
+
+    def timed(self, seconds: float) -> None:
+        self.gpu_s = _smoothed(self.gpu_s, seconds)
+
+
+def _smoothed(estimate: float | None, seconds: float) -> float:
+    return seconds if estimate is None else (1 - SMOOTHING) * estimate + SMOOTHING * seconds
