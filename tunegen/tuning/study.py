@@ -101,11 +101,21 @@ def _serialize(engine: sqlalchemy.engine.Engine) -> None:
     """Make each SQLite transaction take the database's write lock when it begins. Optuna checks a
     trial's state, then changes it (a queued trial handed out, a stale one failed) under a row
     lock that SQLite does not have: without this, two processes can both take the same queued
-    trial. SQLAlchemy's recipe: pysqlite's own transaction handling off, BEGIN IMMEDIATE on begin."""
+    trial. SQLAlchemy's recipe: pysqlite's own transaction handling off, BEGIN IMMEDIATE on begin.
+
+    And keep each transaction short: a trial takes some twenty (its parameters are written one
+    by one), every one of which holds the lock that the other processes sharing the study wait
+    for. With the default rollback journal each commit waits for the disk twice; in WAL mode
+    with `synchronous=NORMAL` it waits for none (the log reaches the disk at checkpoints): a
+    crash of the process loses nothing, a power cut at most the last transactions, never the
+    file. WAL mode stays with the file; SQLite folds the log back in when the last connection
+    closes."""
 
     @sqlalchemy.event.listens_for(engine, "connect")
     def _manual(dbapi_connection: Any, _record: Any) -> None:
         dbapi_connection.isolation_level = None
+        dbapi_connection.execute("PRAGMA journal_mode=WAL")
+        dbapi_connection.execute("PRAGMA synchronous=NORMAL")
 
     @sqlalchemy.event.listens_for(engine, "begin")
     def _immediate(connection: sqlalchemy.engine.Connection) -> None:

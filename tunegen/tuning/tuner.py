@@ -36,7 +36,7 @@ from tunegen.kernels.problem import Problem
 from tunegen.kernels.render import template_hash
 from tunegen.kernels.variant import Variant
 from tunegen.tuning import study as studies
-from tunegen.tuning.flight import GPU_QUEUE, Flight, Pending
+from tunegen.tuning.flight import FIRST_AHEAD, GPU_QUEUE, Flight, Pending
 from tunegen.tuning.interrupt import deferred
 from tunegen.tuning.options import TuneOptions
 from tunegen.tuning.timeline import GPU, TUNER, WAIT_OTHERS, Timeline
@@ -102,16 +102,22 @@ class Tuner:
         interpret = gpu.backend == "interpreter"
         cpus = options.cpus if options.cpus and len(options.cpus) > 1 else None
         self.timeline = Timeline()
-        with self.timeline.span(TUNER, "starting workers"):
-            self.pool = WorkerPool(
-                options.workers, interpret=interpret, cpus=cpus and cpus[1:], timeline=self.timeline
-            )
-            self.timer = Worker(interpret=interpret, cpus=cpus and cpus[:1])
-        self._timing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tunegen-timing")
         warm = {"backend": gpu.backend}
-        self._timing.submit(self._on_gpu, "warm-up", None, warm_task, warm)
-        for _ in range(self.pool.size):
-            self.pool.submit(warm_task, warm, options.trial_timeout, ("warm-up", ""))
+        with self.timeline.span(TUNER, "starting workers"):
+            # The timing worker first: its CUDA context is the first thing the GPU waits for.
+            self.timer = Worker(interpret=interpret, cpus=cpus and cpus[:1])
+            self._timing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tunegen-timing")
+            self._timing.submit(self._on_gpu, "warm-up", None, warm_task, warm)
+            first = min(options.workers, FIRST_AHEAD)
+            self.pool = WorkerPool(
+                options.workers,
+                interpret=interpret,
+                cpus=cpus and cpus[1:],
+                timeline=self.timeline,
+                start=first,
+            )
+            for _ in range(first):
+                self.pool.submit(warm_task, warm, options.trial_timeout, ("warm-up", ""))
         self.record = gpu_record(gpu, driver_version() if gpu.backend == "cuda" else "")
         self._studies: dict[Problem, optuna.Study] = {}
         self._peers: dict[Problem, dict[str, Any]] = {}
@@ -445,10 +451,9 @@ class Tuner:
         return (None, reason) if reason else (variant, None)
 
     def _progress(self, study: optuna.Study, problem: Problem) -> dict[str, Any]:
-        complete = [
-            t for t in study.get_trials(deepcopy=False) if t.state == optuna.trial.TrialState.COMPLETE
-        ]
-        done = sum(1 for t in study.get_trials(deepcopy=False) if studies.evaluated(t))
+        trials = study.get_trials(deepcopy=False)
+        complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
+        done = sum(1 for t in trials if studies.evaluated(t))
         best = min((t.value for t in complete), default=None)
         unit, work = get(problem.family).measure(problem)
         peer = self._peer(study, problem) or {}

@@ -5,10 +5,12 @@ not the search."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import multiprocessing
 import os
 import queue
 import signal
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -108,8 +110,12 @@ class Worker:
 
 
 class WorkerPool:
-    """Several Workers for work that may run side by side (compiling); with a `timeline`, each
-    task is recorded on its worker's lane."""
+    """Up to `size` Workers for work that may run side by side (compiling), started as the work
+    needs them: `start` at once, one more whenever a task finds every started one busy. Each
+    worker makes its own CUDA context, which the driver creates one at a time: workers that
+    would sit idle would only delay the first compiles. Free workers are taken most recently
+    freed first, so the ones already warm stay in use. With a `timeline`, each task is recorded
+    on its worker's lane."""
 
     def __init__(
         self,
@@ -118,45 +124,73 @@ class WorkerPool:
         interpret: bool,
         cpus: tuple[int, ...] | None = None,
         timeline: Timeline | None = None,
+        start: int | None = None,
     ) -> None:
-        self._workers: queue.Queue[tuple[int, Worker]] = queue.Queue()
-        self._all = [Worker(interpret=interpret, cpus=cpus) for _ in range(max(1, size))]
+        self._size = max(1, size)
+        self._interpret = interpret
+        self._cpus = cpus
         self._timeline = timeline
-        for index, worker in enumerate(self._all):
-            self._workers.put((index, worker))
-        self._threads = concurrent.futures.ThreadPoolExecutor(
-            len(self._all), thread_name_prefix="tunegen-pool"
-        )
+        self._free: queue.LifoQueue[tuple[int, Worker]] = queue.LifoQueue()
+        self._all: list[Worker] = []
+        self._lock = threading.Lock()
+        self._stopping = False
+        for _ in range(min(self._size, start or self._size)):
+            self._free.put(self._new())
+        self._threads = concurrent.futures.ThreadPoolExecutor(self._size, thread_name_prefix="tunegen-pool")
 
     @property
     def size(self) -> int:
-        """How many tasks run at once."""
+        """How many tasks run at once, at most."""
+        return self._size
+
+    @property
+    def started(self) -> int:
+        """How many workers were started."""
         return len(self._all)
+
+    def _new(self) -> tuple[int, Worker]:
+        worker = Worker(interpret=self._interpret, cpus=self._cpus)
+        self._all.append(worker)
+        return len(self._all) - 1, worker
+
+    def _take(self) -> tuple[int, Worker]:
+        """A free worker; a new one if none is free and fewer than `size` were started."""
+        with contextlib.suppress(queue.Empty):
+            return self._free.get_nowait()
+        with self._lock:
+            if len(self._all) < self._size and not self._stopping:
+                return self._new()
+        return self._free.get()
 
     def submit(
         self, task: Task, payload: dict[str, Any], timeout: float, label: tuple[str, str] = ("", "")
     ) -> concurrent.futures.Future:
-        """Run `task(payload)` on whichever worker is free; the future holds its result. `label`:
-        the (name, Problem) its timeline span shows."""
+        """Run `task(payload)` on a free worker; the future holds its result. `label`: the
+        (name, Problem) its timeline span shows."""
 
         def run() -> dict[str, Any]:
-            index, worker = self._workers.get()
+            index, worker = self._take()
             try:
                 if self._timeline is None:
                     return worker.call(task, payload, timeout)
                 with self._timeline.span(compile_lane(index), *label):
                     return worker.call(task, payload, timeout)
             finally:
-                self._workers.put((index, worker))
+                self._free.put((index, worker))
 
         return self._threads.submit(run)
 
     def kill(self) -> None:
         """End every worker now (Worker.kill): the tasks they run return at once."""
-        for worker in self._all:
+        with self._lock:
+            self._stopping = True
+            workers = list(self._all)
+        for worker in workers:
             worker.kill()
 
     def close(self) -> None:
+        with self._lock:
+            self._stopping = True
         self._threads.shutdown(wait=True)
         for worker in self._all:
             worker.close()
