@@ -329,12 +329,13 @@ class Tuner:
                 pending = self.flight.timing.pop(future)
                 result = future.result()
             study = self._study(pending.problem)
-            if pending.trial is None:
-                self._peer_measured(study, pending.problem, result)
-            else:
-                self._conclude(study, pending.problem, pending.trial, pending.variant, result)
-            if progress is not None and pending.problem == current:
-                progress(self._progress(study, current))
+            with self.timeline.span(TUNER, "telling the study", label(pending.problem)):
+                if pending.trial is None:
+                    self._peer_measured(study, pending.problem, result)
+                else:
+                    self._conclude(study, pending.problem, pending.trial, pending.variant, result)
+                if progress is not None and pending.problem == current:
+                    progress(self._progress(study, current))
 
     def _peer_measured(self, study: optuna.Study, problem: Problem, result: dict[str, Any]) -> None:
         """Keep the fastest peer's time (for the progress line and the Winner's record), and share
