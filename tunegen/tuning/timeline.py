@@ -3,8 +3,10 @@ compile worker, the tuner's own thread), written as a Chrome trace (open it in P
 chrome://tracing) and summed per GPU, so that a user can see why a host scales as it does.
 
 Lanes: "gpu" holds what the timing worker does on the GPU (a trial's check and timing, the peers,
-a Problem's final round); "compile K" what compile worker K does; "tuner" what the process waits
-for (other processes' trials, the host's next instruction) and the sampler's asks.
+a Problem's final round); "compile K" what compile worker K does; "sampler" the sampler's asks
+(each with the database transactions that write the trial); "tuner" what the tuner's own thread
+does between results (telling the study) and waits for (other processes' trials, the host's next
+instruction).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 
 GPU = "gpu"
 TUNER = "tuner"
+SAMPLER = "sampler"
 COMPILE = "compile"
 # Tuner-lane span names that are waits, not work (the summary adds them up).
 WAIT_OTHERS = "waiting for other processes' trials"
@@ -144,8 +147,8 @@ def chrome_trace(spans: dict[str, list[Span]], start: float) -> dict[str, object
 def _lane_order(lane: str) -> tuple[int, int]:
     if lane == GPU:
         return (0, 0)
-    if lane == TUNER:
-        return (1, 0)
+    if lane in (TUNER, SAMPLER):
+        return (1, int(lane == SAMPLER))
     number = lane.removeprefix(COMPILE).strip()
     return (2, int(number) if number.isdigit() else 0)
 

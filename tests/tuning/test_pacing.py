@@ -1,0 +1,189 @@
+"""How a tuning run paces its work and accounts for its time: the timeline (spans per lane, the
+per-GPU summary, the Chrome trace `--timeline` writes), the flight's depth, compile workers
+started as needed, the next Problem compiled while one finishes, the peers timed by one rank
+per Problem, and the study's SQLite file in WAL mode."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sqlite3
+import threading
+import time
+
+import optuna
+import pytest
+from click.testing import CliRunner
+
+from tunegen.cli.main import main
+from tunegen.kernels.gpu import interpreter_gpu
+from tunegen.tuning import study, timeline
+from tunegen.tuning.flight import FIRST_AHEAD, Flight
+from tunegen.tuning.presets import dry_run, parse_shape, problems
+from tunegen.tuning.study import evaluated, study_name
+from tunegen.tuning.timeline import Span, Timeline
+from tunegen.tuning.tuner import TuneOptions, Tuner
+from tunegen.tuning.workers import WorkerPool
+
+interpreting = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET", "0") != "1", reason="tuner tests run kernels under the interpreter"
+)
+GPU = interpreter_gpu()
+PROBLEMS = [
+    dry_run(p)
+    for p in problems([parse_shape("4,2,32"), parse_shape("8,2,64")], causal=(False,), seqlens=(1024,))
+]
+
+
+def test_summary_counts_overlapping_gpu_work_once_and_adds_up_waits():
+    spans = {
+        "GPU 0": [
+            Span("gpu", "trial 1", "p", 0.0, 2.0),
+            Span("gpu", "trial 2", "p", 1.0, 3.0),  # queued behind trial 1: overlaps its span
+            Span("gpu", "final round", "p", 5.0, 6.0),
+            Span("compile 0", "trial 1", "p", 0.0, 1.0),
+            Span("compile 1", "trial 2", "p", 0.0, 4.0),
+            Span("compile 1", "warm-up", "", 0.0, 1.0),
+            Span("tuner", timeline.WAIT_HOST, "", 8.0, 10.0),
+        ]
+    }
+    (row,) = timeline.summary(spans, 0.0, 10.0)
+    assert row["gpu_busy_s"] == pytest.approx(4.0) and row["gpu_busy"] == pytest.approx(0.4)
+    assert row["gpu_s_by_kind"] == {"trials": pytest.approx(4.0), "final round": pytest.approx(1.0)}
+    assert row["compile_workers"] == 2 and row["compile_busy"] == pytest.approx(6.0 / 20.0)
+    assert row["waits_s"][timeline.WAIT_HOST] == pytest.approx(2.0)
+    assert row["trials_timed"] == 2 and row["trials_compiled"] == 2
+
+
+def test_chrome_trace_names_a_process_per_gpu_and_a_thread_per_lane(tmp_path):
+    recorded = Timeline()
+    with recorded.span("gpu", "trial 3", "problem"):
+        time.sleep(0.01)
+    (span,) = recorded.take()
+    assert span.end - span.start >= 0.01 and recorded.take() == [], "take() hands each span over once"
+    recorded.add("gpu", "trial 4", 1.0, 1.25, "problem")
+    recorded.add("compile 0", "trial 4", 0.5, 1.0, "problem")
+    spans = {"GPU 1": recorded.take()}
+    path = tmp_path / "trace.json"
+    timeline.write(path, spans, 0.0, 2.0)
+    trace = json.loads(path.read_text())
+    meta = {(e["name"], e.get("tid")): e["args"] for e in trace["traceEvents"] if e["ph"] == "M"}
+    assert meta[("process_name", None)] == {"name": "GPU 1"}
+    lanes = {args["name"] for (name, _), args in meta.items() if name == "thread_name"}
+    assert lanes == {"gpu", "compile 0"}
+    work = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {(e["name"], e["ts"], e["dur"]) for e in work} == {
+        ("trial 4", 1_000_000, 250_000),
+        ("trial 4", 500_000, 500_000),
+    }
+    assert trace["summary"][0]["gpu"] == "GPU 1"
+
+
+def test_flight_keeps_a_compile_over_a_timing_ahead_of_the_gpu():
+    flight = Flight(compile_workers=16)
+    assert flight.depth() == FIRST_AHEAD, "before anything is measured"
+    flight.compiled(1.0)
+    flight.timed(0.25)
+    assert flight.depth() == 4 + 2
+    for _ in range(20):  # the estimates follow what is measured: a slow GPU needs one compiling, two ready
+        flight.timed(5.0)
+    assert flight.depth() == 3
+    slow = Flight(compile_workers=3)
+    slow.compiled(30.0)
+    slow.timed(0.1)
+    assert slow.depth() == 3, "never more than there are compile workers"
+
+
+def _wait(payload):
+    time.sleep(payload.get("sleep", 0))
+    return {"status": "ok", "pid": os.getpid()}
+
+
+def test_pool_starts_workers_as_the_work_needs_them_and_reuses_warm_ones():
+    pool = WorkerPool(3, interpret=True, start=1)
+    try:
+        assert pool.started == 1 and pool.size == 3
+        first = {pool.submit(_wait, {}, timeout=60).result()["pid"] for _ in range(3)}
+        assert pool.started == 1 and len(first) == 1, "one task at a time: the warm worker does each"
+        busy = [pool.submit(_wait, {"sleep": 2.0}, timeout=60) for _ in range(4)]
+        pids = {f.result()["pid"] for f in busy}
+        assert pool.started == 3 and len(pids) == 3, "busy workers: more start, up to the size"
+    finally:
+        pool.close()
+
+
+def test_the_study_database_runs_in_wal_mode(tmp_path):
+    url = f"sqlite:///{tmp_path / 'wal.db'}"
+    storage = study.storage(url, 10, 60)
+    optuna.create_study(study_name="s", storage=storage)
+    with sqlite3.connect(tmp_path / "wal.db") as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+
+
+@interpreting
+def test_the_next_problem_compiles_while_one_finishes_and_loses_no_trial(tmp_path):
+    """tune(p0, then=p1) starts p1's first trials; tune(p1) times them: every p1 Variant is
+    evaluated once, nothing stays running, and p1's trials were asked before p0 finished."""
+    url = f"sqlite:///{tmp_path / 'ahead.db'}"
+    options = TuneOptions(trials=3, workers=2, url=url, trial_timeout=300)
+    with Tuner(GPU, options) as tuner:
+        first = tuner.tune(PROBLEMS[0], then=PROBLEMS[1])
+        asked_ahead = tuner.flight.ahead(PROBLEMS[1])
+        second = tuner.tune(PROBLEMS[1])
+        spans = tuner.timeline.take()
+    assert first.winner is not None and second.winner is not None
+    assert asked_ahead >= 1, "the next Problem's trials were compiling when the first finished"
+    trials = optuna.load_study(study_name=study_name(GPU, PROBLEMS[1], "tpe"), storage=url).trials
+    done = [t.user_attrs["variant"] for t in trials if evaluated(t)]
+    assert len(done) == len(set(done)) == 3
+    assert not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
+    lanes = {s.lane for s in spans}
+    assert {"gpu", "sampler", "tuner"} <= lanes and any(lane.startswith("compile") for lane in lanes)
+
+
+@interpreting
+def test_cli_timeline_shows_both_stand_ins_and_times_each_problems_peers_once(tmp_path):
+    url = f"sqlite:///{tmp_path / 'cli.db'}"
+    trace = tmp_path / "timeline.json"
+    args = ["tune", "--db", url, "--shape", "4,2,32", "--shape", "8,2,64", "--seqlens", "512"]
+    args += ["--causal", "no", "--dry-run", "--trials", "3", "--workers", "2", "--gpus", "2"]
+    result = CliRunner().invoke(main, [*args, "--timeline", str(trace)])
+    assert result.exit_code == 0, result.output
+    assert "where each GPU's time went" in result.output and f"timeline written to {trace}" in result.output
+    data = json.loads(trace.read_text())
+    rows = {row["gpu"]: row for row in data["summary"]}
+    assert set(rows) == {"stand-in 0", "stand-in 1"}
+    names = {e["pid"]: e["args"]["name"] for e in data["traceEvents"] if e["name"] == "process_name"}
+    work = [e for e in data["traceEvents"] if e["ph"] == "X"]
+    peers = [(names[e["pid"]], e["args"]["problem"]) for e in work if e["name"] == "peers"]
+    assert len(peers) == 2 and len({p for _, p in peers}) == 2, "each Problem's peers timed once"
+    assert {rank for rank, _ in peers} == {"stand-in 0", "stand-in 1"}, "split between the ranks"
+    timed = sum(row["trials_timed"] for row in rows.values())
+    assert timed >= 6, "every evaluated trial shows on a GPU lane"
+
+
+def test_threads_of_a_timeline_record_without_losing_spans():
+    recorded = Timeline()
+
+    def record(n):
+        for i in range(200):
+            recorded.add("gpu", f"trial {n}-{i}", 0.0, 1.0)
+
+    threads = [threading.Thread(target=record, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(recorded.take()) == 800 and recorded.take() == []
+
+
+def test_span_is_a_plain_record():
+    span = Span("gpu", "trial 1", "", 1.0, 2.0)
+    assert dataclasses.asdict(span) == {
+        "lane": "gpu",
+        "name": "trial 1",
+        "problem": "",
+        "start": 1.0,
+        "end": 2.0,
+    }
