@@ -14,7 +14,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import math
-import threading
 from collections import deque
 from typing import Any
 
@@ -42,8 +41,7 @@ class Pending:
 
 
 class Flight:
-    """What is in flight, and running estimates of a compile's and a GPU timing's seconds. The
-    sampler's thread adds compiles while the tuner's takes results: both go through its lock."""
+    """What is in flight, and running estimates of a compile's and a GPU timing's seconds."""
 
     def __init__(self, compile_workers: int) -> None:
         self.workers = compile_workers
@@ -52,21 +50,13 @@ class Flight:
         self.timing: dict[concurrent.futures.Future, Pending] = {}
         self.compile_s: float | None = None
         self.gpu_s: float | None = None
-        self.lock = threading.RLock()
-        self.added = threading.Event()  # set when a compile starts: the tuner has a future to wait on
-
-    def compile(self, future: concurrent.futures.Future, pending: Pending) -> None:
-        with self.lock:
-            self.compiling[future] = pending
-        self.added.set()
 
     def ahead(self, problem: Problem | None = None) -> int:
         """Trials compiling or compiled, not yet on the GPU (of `problem`, or of any)."""
-        with self.lock:
-            compiling = sum(1 for p in self.compiling.values() if problem in (None, p.problem))
-            if problem is not None:
-                return compiling + len(self.ready.get(problem, ()))
-            return compiling + sum(len(q) for q in self.ready.values())
+        compiling = sum(1 for p in self.compiling.values() if problem in (None, p.problem))
+        if problem is not None:
+            return compiling + len(self.ready.get(problem, ()))
+        return compiling + sum(len(q) for q in self.ready.values())
 
     def depth(self) -> int:
         """How many trials to keep ahead of the GPU: a compile's time over a timing's, plus two
@@ -77,13 +67,10 @@ class Flight:
 
     def holds(self, problem: Problem) -> bool:
         """Whether anything of `problem` is compiling, waiting for the GPU or on it."""
-        with self.lock:
-            return bool(self.ahead(problem)) or any(p.problem == problem for p in self.timing.values())
+        return bool(self.ahead(problem)) or any(p.problem == problem for p in self.timing.values())
 
     def futures(self) -> list[concurrent.futures.Future]:
-        with self.lock:
-            self.added.clear()
-            return [*self.compiling, *self.timing]
+        return [*self.compiling, *self.timing]
 
     def compiled(self, seconds: float) -> None:
         self.compile_s = _smoothed(self.compile_s, seconds)

@@ -3,10 +3,10 @@ compile worker, the tuner's own thread), written as a Chrome trace (open it in P
 chrome://tracing) and summed per GPU, so that a user can see why a host scales as it does.
 
 Lanes: "gpu" holds what the timing worker does on the GPU (a trial's check and timing, the peers,
-a Problem's final round); "compile K" what compile worker K does; "sampler" the sampler's asks
-(each with the database transactions that write the trial); "tuner" what the tuner's own thread
-does between results (telling the study) and waits for (other processes' trials, the host's next
-instruction).
+a Problem's final round); "compile K" what compile worker K does; "sampler" the tuner's asks
+for trials (each with the database transactions that write the trial); "tuner" the rest of what
+the tuner does between results (telling the study) and what it waits for (other processes'
+trials, the host's next instruction).
 """
 
 from __future__ import annotations

@@ -17,7 +17,6 @@ import concurrent.futures
 import dataclasses
 import os
 import socket
-import threading
 import time
 import uuid
 from collections import deque
@@ -50,10 +49,6 @@ FINALISTS = 3
 FINAL_REP_MS = 400.0
 # Rounds of waiting for other processes' trials, then evaluating the queued copies of abandoned ones.
 SETTLE_ROUNDS = 3
-# Seconds the tuner's thread waits for a result, and the sampler's thread for a reason to ask,
-# before looking again (a claim another process gave back, a trial started meanwhile).
-POLL_S = 0.1
-ASKER_POLL_S = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,41 +82,6 @@ class _Asks:
     start: float
     asked: int = 0
     more: bool = True
-
-
-class _Asker(threading.Thread):
-    """Asks the sampler for a Problem's trials (then the next Problem's) and starts their
-    compiles, while the tuner's thread times them and tells the studies the results: a trial's
-    asks cost some twenty database transactions, about as long as its timing on the GPU."""
-
-    def __init__(self, tuner: Tuner, problem: Problem, then: Problem | None) -> None:
-        super().__init__(name="tunegen-sampler", daemon=True)
-        self.tuner, self.problem, self.then = tuner, problem, then
-        self.more = True  # whether `problem` had trials left to ask for, when last looked
-        self.error: BaseException | None = None
-        self._stopping = threading.Event()
-        self._woken = threading.Event()
-        self.start()
-
-    def run(self) -> None:
-        try:
-            while not self._stopping.is_set():
-                self.more = self.tuner._fill(self.problem, self.then, self._stopping)
-                self._woken.wait(ASKER_POLL_S)
-                self._woken.clear()
-        except BaseException as exc:  # the tuner's thread raises it
-            self.error = exc
-            self.more = False
-
-    def wake(self) -> None:
-        """Look again now: a result came back, so fewer trials may be ahead of the GPU."""
-        self._woken.set()
-
-    def stop(self) -> None:
-        """Stop asking, and return once the ask under way (if any) has its compile started."""
-        self._stopping.set()
-        self._woken.set()
-        self.join()
 
 
 class Tuner:
@@ -260,41 +220,25 @@ class Tuner:
             # first, while the first Variants compile: the bar to beat
             payload = self._payload(problem, None, self.options.seed)
             self._on_gpu_queue(Pending(problem, None, None, payload))
-        asker = _Asker(self, problem, then)
-        try:
-            self._run(problem, progress, asker)
-            asker.stop()
-            self._run(problem, progress, None)  # what the sampler's thread added as it stopped
-        finally:
-            asker.stop()
-            self._asks.pop(problem, None)
-
-    def _run(self, problem: Problem, progress, asker: _Asker | None) -> None:
-        """Time `problem`'s compiled trials and tell the studies what comes back, until its asker
-        (None: none) has no trial left to ask for and nothing of `problem` is in flight."""
         swept = time.monotonic()
-        while True:
-            if time.monotonic() - swept > self.options.heartbeat_s:
-                # a dead process's claims stop counting, its Variants come back
-                studies.fail_stale(self._study(problem), self.options.grace_s)
-                swept = time.monotonic()
-            if asker is not None and asker.error is not None:
-                raise asker.error
-            self._dispatch(problem)
-            futures = self.flight.futures()
-            if (asker is None or not asker.more) and not self.flight.holds(problem):
-                return
-            done: set = set()
-            if futures:
+        try:
+            while True:
+                if time.monotonic() - swept > self.options.heartbeat_s:
+                    # a dead process's claims stop counting, its Variants come back
+                    studies.fail_stale(asks.study, self.options.grace_s)
+                    swept = time.monotonic()
+                self._dispatch(problem)
+                more = self._fill(problem, then)
+                self._dispatch(problem)
+                if not more and not self.flight.holds(problem):
+                    return
                 done, _ = concurrent.futures.wait(
-                    futures, timeout=POLL_S, return_when=concurrent.futures.FIRST_COMPLETED
+                    self.flight.futures(), return_when=concurrent.futures.FIRST_COMPLETED
                 )
-            else:
-                self.flight.added.wait(POLL_S)
-            with deferred():  # results are told whole: a signal lands while waiting, not mid-write
-                self._take(done, problem, progress)
-            if done and asker is not None:
-                asker.wake()
+                with deferred():  # results are told whole: a signal lands while waiting, not mid-write
+                    self._take(done, problem, progress)
+        finally:
+            self._asks.pop(problem, None)
 
     def _asking(self, problem: Problem) -> _Asks:
         family = get(problem.family)
@@ -320,12 +264,11 @@ class Tuner:
             asks.more = False
         return asks.more and studies.claimed(study) < opts.trials
 
-    def _fill(self, problem: Problem, then: Problem | None, stopping: threading.Event) -> bool:
+    def _fill(self, problem: Problem, then: Problem | None) -> bool:
         """Ask for trials and start compiling them, `problem`'s first, then `then`'s, while fewer
-        than the flight's depth are ahead of the GPU (until `stopping` is set); whether `problem`
-        has trials left to ask for."""
+        than the flight's depth are ahead of the GPU; whether `problem` has trials left to ask."""
         asks = self._asks[problem]
-        while self.flight.ahead(problem) < self.flight.depth() and not stopping.is_set():
+        while self.flight.ahead(problem) < self.flight.depth():
             if not self._can_ask(problem, asks):
                 break
             self._ask(problem, asks)
@@ -334,11 +277,7 @@ class Tuner:
         if then is not None:
             ahead = self._asks.get(then) or self._asking(then)
             self._asks[then] = ahead
-            while (
-                self.flight.ahead() < self.flight.depth()
-                and not stopping.is_set()
-                and self._can_ask(then, ahead)
-            ):
+            while self.flight.ahead() < self.flight.depth() and self._can_ask(then, ahead):
                 self._ask(then, ahead)
         return False
 
@@ -362,22 +301,20 @@ class Tuner:
         future = self.pool.submit(
             compile_task, payload, opts.trial_timeout, (f"trial {trial.number}", label(problem))
         )
-        self.flight.compile(future, Pending(problem, trial, variant, payload))
+        self.flight.compiling[future] = Pending(problem, trial, variant, payload)
 
     def _dispatch(self, problem: Problem) -> None:
         """Queue `problem`'s compiled trials on the GPU, up to its queue's length."""
-        with self.flight.lock:
-            ready = self.flight.ready.get(problem)
-            while ready and len(self.flight.timing) < GPU_QUEUE:
-                self._on_gpu_queue(ready.popleft())
+        ready = self.flight.ready.get(problem)
+        while ready and len(self.flight.timing) < GPU_QUEUE:
+            self._on_gpu_queue(ready.popleft())
 
     def _on_gpu_queue(self, pending: Pending) -> None:
         if pending.trial is None:
             future = self._timing.submit(self._on_gpu, "peers", pending.problem, peers_task, pending.payload)
         else:
             future = self._timing.submit(self._evaluate, pending)
-        with self.flight.lock:
-            self.flight.timing[future] = pending
+        self.flight.timing[future] = pending
 
     def _evaluate(self, pending: Pending) -> dict[str, Any]:
         start = time.monotonic()
@@ -390,15 +327,16 @@ class Tuner:
         """Tell the studies what the `done` futures found: a compiled Variant waits for the GPU, a
         timed one (or a failure) is concluded, the peers' time kept."""
         for future in done:
-            with self.flight.lock:
-                compiled = self.flight.compiling.pop(future, None)
-                pending = compiled or self.flight.timing.pop(future)
-            result = future.result()
-            if compiled is not None and result["status"] == "ok":
-                self.flight.compiled(result["seconds"])
-                with self.flight.lock:
+            if future in self.flight.compiling:
+                pending = self.flight.compiling.pop(future)
+                result = future.result()
+                if result["status"] == "ok":
+                    self.flight.compiled(result["seconds"])
                     self.flight.ready.setdefault(pending.problem, deque()).append(pending)
-                continue
+                    continue
+            else:
+                pending = self.flight.timing.pop(future)
+                result = future.result()
             study = self._study(pending.problem)
             with self.timeline.span(TUNER, "telling the study", label(pending.problem)):
                 if pending.trial is None:
