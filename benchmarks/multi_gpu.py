@@ -22,10 +22,9 @@ from pathlib import Path
 
 import torch
 
-from tunegen.cli.text import problem_text
 from tunegen.kernels.families import base, get
 from tunegen.kernels.gpu import cuda_gpu
-from tunegen.kernels.problem import Problem
+from tunegen.kernels.problem import Problem, problem_text
 from tunegen.kernels.reference import tolerance
 from tunegen.tuning.timing import interleaved_ms
 from tunegen.tuning_db import Store

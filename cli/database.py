@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 import click
 
 from tunegen.cli.options import db_option, opened_store
-from tunegen.cli.text import problem_text, speed, variant_text
+from tunegen.cli.text import speed, variant_text
+from tunegen.kernels.problem import problem_text
 
 if TYPE_CHECKING:
     from tunegen.tuning_db import WinnerRecord

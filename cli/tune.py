@@ -10,7 +10,8 @@ import click
 from click.core import ParameterSource
 
 from tunegen.cli.options import CAUSAL, COUNT, COUNTS, PAGE_SIZE, db_option
-from tunegen.cli.text import problem_text, speed, variant_text
+from tunegen.cli.text import speed, variant_text
+from tunegen.kernels.problem import problem_text
 
 
 @click.command()

@@ -85,3 +85,24 @@ class Problem:
         b = self.batch if batch is None else batch
         flops = 4.0 * b * self.num_heads_q * nq * nk * self.head_dim
         return flops / 2 if self.causal else flops
+
+
+SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def dtype_text(problem: dict) -> str:
+    """What a Problem computes in: its dtype, or for FP8 Problems what is FP8 and what is not."""
+    dtype = str(problem.get("dtype"))
+    if not problem.get("fp8"):
+        return dtype
+    if problem.get("family") == "decode":
+        return f"{dtype} over an fp8 e4m3 KV cache"
+    return f"fp8 e4m3 inputs, {SHORT.get(dtype, dtype)} output"
+
+
+def problem_text(problem: dict) -> str:
+    """A Problem (its `as_dict()`, or a Winner's record of it) on one line, as commands print it."""
+    heads = f"{problem.get('num_heads_q')}/{problem.get('num_heads_kv')}"
+    flags = [name for name in ("causal", "varlen", "paged", "return_lse") if problem.get(name)]
+    sizes = f"B{problem.get('batch')} {problem.get('seqlen_q')}x{problem.get('seqlen_k')}"
+    return f"{dtype_text(problem)} D{problem.get('head_dim')} H{heads} {sizes} {' '.join(flags)}".strip()

@@ -25,10 +25,11 @@ from tunegen.kernels.database import database_url, open_store
 from tunegen.kernels.gpu import Gpu
 from tunegen.kernels.problem import Problem
 from tunegen.tuning import study as studies
+from tunegen.tuning.final import Outcome
 from tunegen.tuning.interrupt import Interrupted, blocked, raising
 from tunegen.tuning.options import MAX_SEED
 from tunegen.tuning.timeline import TUNER, WAIT_HOST, Span
-from tunegen.tuning.tuner import Outcome, TuneOptions, Tuner
+from tunegen.tuning.tuner import TuneOptions, Tuner
 
 # A rank that dies more often than this on one GPU stops the run (its GPU is likely unusable).
 MAX_RESTARTS = 3

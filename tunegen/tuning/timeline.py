@@ -19,6 +19,8 @@ import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from tunegen.kernels.problem import Problem, problem_text
+
 GPU = "gpu"
 TUNER = "tuner"
 SAMPLER = "sampler"
@@ -65,6 +67,11 @@ class Timeline:
         with self._lock:
             spans, self._spans = self._spans, []
         return spans
+
+
+def problem_label(problem: Problem) -> str:
+    """How the timeline names a Problem."""
+    return problem_text(problem.as_dict())
 
 
 def compile_lane(worker: int) -> str:

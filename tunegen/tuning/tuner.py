@@ -1,14 +1,14 @@
 """The tuner: an Optuna search over a family's Variants for each (Gpu, Problem), recorded in the
 tuning database.
 
-A search keeps every compile worker busy: whenever one is free it asks the sampler for the next
-trial, prunes what the family's cheap constraints reject (or what failed before, or what another
-process holds), and compiles it; compiled Variants are verified and timed one at a time on the
-GPU, in the timing worker, while others compile. Failures are recorded with their reason and
-never retried. The study lives in the tuning database, so an interrupted run resumes and several
-processes share one search (the ranks of `tunegen tune --gpus`, or the hosts of a fleet; see
-study.py for how they divide it). Finishing a Problem waits for the trials other processes still
-hold, re-times the fastest few and records the Winner.
+A search is paced to the GPU (flight.py): it asks the sampler for trials, prunes what the
+family's cheap constraints reject (or what failed before, or what another process holds), and
+compiles just enough of them ahead that the timing worker, which verifies and times one at a
+time, never waits. Failures are recorded with their reason and never retried. The study lives in
+the tuning database, so an interrupted run resumes and several processes share one search (the
+ranks of `tunegen tune --gpus`, or the hosts of a fleet; see study.py for how they divide it).
+A Problem's end (final.py) waits for the trials other processes hold, re-times the fastest few
+and records the Winner.
 """
 
 from __future__ import annotations
@@ -24,50 +24,24 @@ from collections.abc import Callable
 from typing import Any
 
 import optuna
-import torch
 from optuna.trial import TrialState
 
-from tunegen.cli.text import problem_text
 from tunegen.kernels.database import database_url, gpu_record, open_store
 from tunegen.kernels.families import get
 from tunegen.kernels.families.base import choose
 from tunegen.kernels.gpu import Gpu, driver_version
 from tunegen.kernels.problem import Problem
-from tunegen.kernels.render import template_hash
 from tunegen.kernels.variant import Variant
 from tunegen.tuning import study as studies
+from tunegen.tuning.final import FinalRound, Outcome
 from tunegen.tuning.flight import FIRST_AHEAD, GPU_QUEUE, Flight, Pending
 from tunegen.tuning.interrupt import deferred
 from tunegen.tuning.options import TuneOptions
-from tunegen.tuning.timeline import GPU, SAMPLER, TUNER, WAIT_OTHERS, Timeline
+from tunegen.tuning.timeline import GPU, SAMPLER, TUNER, Timeline, problem_label
 from tunegen.tuning.timing import rate
 from tunegen.tuning.trial import compile_task, evaluate_task, peers_task, warm_task
 from tunegen.tuning.workers import Worker, WorkerPool
-from tunegen.tuning_db import FailureRecord, WinnerRecord
-
-FINALISTS = 3
-FINAL_REP_MS = 400.0
-# Rounds of waiting for other processes' trials, then evaluating the queued copies of abandoned ones.
-SETTLE_ROUNDS = 3
-
-
-@dataclasses.dataclass(frozen=True)
-class Outcome:
-    """What tuning one Problem on one Gpu produced."""
-
-    problem: Problem
-    gpu: Gpu
-    winner: WinnerRecord | None
-    recorded: str | None
-    evaluated: int
-    failed: int
-    found_at: int | None
-    wall_s: float
-
-
-def label(problem: Problem) -> str:
-    """How the timeline names a Problem."""
-    return problem_text(problem.as_dict())
+from tunegen.tuning_db import FailureRecord
 
 
 @dataclasses.dataclass
@@ -84,7 +58,7 @@ class _Asks:
     more: bool = True
 
 
-class Tuner:
+class Tuner(FinalRound):
     """Tunes Problems on one Gpu; holds the worker processes and the database between Problems.
     `times_peers` says for which Problems this process times the peers (the processes sharing
     a study split them; whoever finishes a Problem times them where nobody did)."""
@@ -292,14 +266,14 @@ class Tuner:
         asks.asked += 1
         params = choose(asks.family, asks.space, trial.suggest_categorical)
         variant, reason = self._screen(asks.family, params, problem, study, trial, asks.failures)
-        self.timeline.add(SAMPLER, "asking the sampler", asking, time.time(), label(problem))
+        self.timeline.add(SAMPLER, "asking the sampler", asking, time.time(), problem_label(problem))
         if reason is not None:
             studies.conclude(study, trial, {"reason": reason}, state=TrialState.PRUNED)
             self.heartbeat.release(trial)
             return
         payload = self._payload(problem, variant, opts.seed + trial.number)
         future = self.pool.submit(
-            compile_task, payload, opts.trial_timeout, (f"trial {trial.number}", label(problem))
+            compile_task, payload, opts.trial_timeout, (f"trial {trial.number}", problem_label(problem))
         )
         self.flight.compiling[future] = Pending(problem, trial, variant, payload)
 
@@ -338,7 +312,7 @@ class Tuner:
                 pending = self.flight.timing.pop(future)
                 result = future.result()
             study = self._study(pending.problem)
-            with self.timeline.span(TUNER, "telling the study", label(pending.problem)):
+            with self.timeline.span(TUNER, "telling the study", problem_label(pending.problem)):
                 if pending.trial is None:
                     self._peer_measured(study, pending.problem, result)
                 else:
@@ -381,64 +355,11 @@ class Tuner:
             )
         self.heartbeat.release(trial)
 
-    def finalize(
-        self,
-        problem: Problem,
-        progress: Callable[[dict[str, Any]], None] | None = None,
-        *,
-        start: float | None = None,
-    ) -> Outcome:
-        """Wait for the trials other processes hold on `problem` (a dead holder's are failed and
-        their Variants evaluated here), then re-time the fastest few and record the Winner, with
-        the best peer's time on the same Problem."""
-        start = time.monotonic() if start is None else start
-        study = self._study(problem)
-        self._settle(study, problem, progress)
-        if self._peer(study, problem) is None:
-            payload = self._payload(problem, None, self.options.seed)
-            self._peer_measured(study, problem, self._on_gpu("peers", problem, peers_task, payload))
-        peer = self._peer(study, problem) or {}
-        return self._finish(study, problem, get(problem.family), peer, start)
-
-    def _settle(self, study: optuna.Study, problem: Problem, progress) -> None:
-        opts = self.options
-        deadline = time.monotonic() + opts.grace_s + 3 * opts.trial_timeout
-        for _ in range(SETTLE_ROUNDS):
-            with self.timeline.span(TUNER, WAIT_OTHERS, label(problem)):
-                while time.monotonic() < deadline:
-                    studies.fail_stale(study, opts.grace_s)
-                    if not any(studies.holds_claim(t) for t in study.get_trials(deepcopy=False)):
-                        break
-                    time.sleep(min(1.0, opts.heartbeat_s))
-            if studies.claimed(study) >= opts.trials or not study.get_trials(
-                deepcopy=False, states=(TrialState.WAITING,)
-            ):
-                return
-            self.search(problem, progress)
-
-    def _final_round(self, problem: Problem, complete: list) -> tuple[Any, float]:
-        """Re-time the fastest few with longer runs, back to back, and keep the fastest: one short
-        timing can be off by a few percent, more than separates the leaders."""
-        ranked = sorted(complete, key=lambda t: (t.value, t.number))[:FINALISTS]
-        if len(ranked) == 1 or self.gpu.backend != "cuda":
-            return ranked[0], float(ranked[0].value)
-        timed = []
-        for trial in ranked:
-            payload = self._payload(problem, None, self.options.seed + trial.number)
-            payload.update(variant=trial.user_attrs["variant"], rep_ms=FINAL_REP_MS)
-            result = self._on_gpu("final round", problem, evaluate_task, payload)
-            if result["status"] == "ok":
-                timed.append((result["ms"], trial.number, trial))
-        if not timed:
-            return ranked[0], float(ranked[0].value)
-        ms, _, trial = min(timed)
-        return trial, float(ms)
-
     def _on_gpu(
         self, name: str, problem: Problem | None, task: Any, payload: dict[str, Any]
     ) -> dict[str, Any]:
         """`task(payload)` in the timing worker, recorded on the timeline's GPU lane."""
-        with self.timeline.span(GPU, name, label(problem) if problem else ""):
+        with self.timeline.span(GPU, name, problem_label(problem) if problem else ""):
             return self.timer.call(task, payload, self.options.trial_timeout)
 
     def _screen(
@@ -476,36 +397,3 @@ class Tuner:
             "peer_name": peer.get("name"),
             "peer_rate": rate(unit, work, peer["ms"]) if peer.get("ms") else None,
         }
-
-    def _finish(self, study, problem, family, peer, start) -> Outcome:
-        trials = study.get_trials(deepcopy=False)
-        evaluated = [t for t in trials if studies.evaluated(t)]
-        failed = sum(1 for t in evaluated if t.state == optuna.trial.TrialState.FAIL)
-        complete = [t for t in evaluated if t.state == optuna.trial.TrialState.COMPLETE]
-        if not complete:
-            return Outcome(
-                problem, self.gpu, None, None, len(evaluated), failed, None, time.monotonic() - start
-            )
-        best, ms = self._final_round(problem, complete)
-        found_at = 1 + sorted(t.number for t in evaluated).index(best.number)
-        variant = family.variant_type.from_json(best.user_attrs["variant"])
-        unit, work = family.measure(problem)
-        winner = WinnerRecord(
-            gpu=self.record,
-            family=problem.family,
-            problem=problem.as_dict(),
-            variant=variant.as_dict(),
-            median_ms=ms,
-            rel_err=float(best.user_attrs["rel_err"]),
-            triton_version=self.gpu.triton_version,
-            torch_version=self.gpu.torch_version,
-            template_hash=template_hash(family.template),
-            cuda_version=torch.version.cuda or "",
-            **{("tflops" if unit == "TFLOP/s" else "gbps"): rate(unit, work, ms)},
-            peer_name=peer.get("name"),
-            peer_ms=peer.get("ms"),
-        )
-        recorded = self.store.record_winner(winner)
-        return Outcome(
-            problem, self.gpu, winner, recorded, len(evaluated), failed, found_at, time.monotonic() - start
-        )
