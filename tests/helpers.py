@@ -178,6 +178,14 @@ def qkv_dout(batch, hq, hkv, nq, nk, d, dtype, device, seed):
     return [randn(*s, dtype=dtype, device=device, gen=gen) for s in shapes]
 
 
+def tiny_problems():
+    """Two prefill Problems shrunk for the interpreter (the tuning tests' usual pair)."""
+    from tunegen.tuning.presets import dry_run, parse_shape, problems
+
+    shapes = [parse_shape("4,2,32"), parse_shape("8,2,64")]
+    return [dry_run(p) for p in problems(shapes, causal=(False,), seqlens=(1024,))]
+
+
 def dispatch_interprets() -> bool:
     """Whether CPU tensors run the kernels (under the interpreter) rather than the PyTorch fallback."""
     return backend_for(torch.device("cpu")) == "interpreter"

@@ -17,10 +17,10 @@ import sqlalchemy
 from click.testing import CliRunner
 from optuna.trial import TrialState
 
+from helpers import tiny_problems
 from tunegen.cli.main import main
 from tunegen.kernels.gpu import interpreter_gpu
 from tunegen.tuning import host, study
-from tunegen.tuning.presets import dry_run, parse_shape, problems
 from tunegen.tuning.study import evaluated, study_name
 from tunegen.tuning.tuner import TuneOptions, Tuner
 from tunegen.tuning_db import Store
@@ -29,10 +29,7 @@ pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET", "0") != "1", reason="tuner tests run kernels under the interpreter"
 )
 GPU = interpreter_gpu()
-PROBLEMS = [
-    dry_run(p)
-    for p in problems([parse_shape("4,2,32"), parse_shape("8,2,64")], causal=(False,), seqlens=(1024,))
-]
+PROBLEMS = tiny_problems()
 # A short heartbeat, so that a killed process's trials go stale within seconds.
 FAST = TuneOptions(trials=6, workers=1, trial_timeout=300, heartbeat_s=1, grace_s=3)
 

@@ -5,35 +5,28 @@ per Problem, and the study's SQLite file in WAL mode."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sqlite3
-import threading
 import time
 
 import optuna
 import pytest
 from click.testing import CliRunner
+from conftest import NEEDS_INTERPRETER
 
+from helpers import tiny_problems
 from tunegen.cli.main import main
 from tunegen.kernels.gpu import interpreter_gpu
 from tunegen.tuning import study, timeline
 from tunegen.tuning.flight import FIRST_AHEAD, Flight
-from tunegen.tuning.presets import dry_run, parse_shape, problems
 from tunegen.tuning.study import evaluated, study_name
 from tunegen.tuning.timeline import Span, Timeline
 from tunegen.tuning.tuner import TuneOptions, Tuner
 from tunegen.tuning.workers import WorkerPool
 
-interpreting = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET", "0") != "1", reason="tuner tests run kernels under the interpreter"
-)
 GPU = interpreter_gpu()
-PROBLEMS = [
-    dry_run(p)
-    for p in problems([parse_shape("4,2,32"), parse_shape("8,2,64")], causal=(False,), seqlens=(1024,))
-]
+PROBLEMS = tiny_problems()
 
 
 def test_summary_counts_overlapping_gpu_work_once_and_adds_up_waits():
@@ -121,7 +114,7 @@ def test_the_study_database_runs_in_wal_mode(tmp_path):
         assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
 
 
-@interpreting
+@NEEDS_INTERPRETER
 def test_the_next_problem_compiles_while_one_finishes_and_loses_no_trial(tmp_path):
     """tune(p0, then=p1) starts p1's first trials; tune(p1) times them: every p1 Variant is
     evaluated once, nothing stays running, and p1's trials were asked before p0 finished."""
@@ -142,7 +135,7 @@ def test_the_next_problem_compiles_while_one_finishes_and_loses_no_trial(tmp_pat
     assert {"gpu", "sampler", "tuner"} <= lanes and any(lane.startswith("compile") for lane in lanes)
 
 
-@interpreting
+@NEEDS_INTERPRETER
 def test_cli_timeline_shows_both_stand_ins_and_times_each_problems_peers_once(tmp_path):
     url = f"sqlite:///{tmp_path / 'cli.db'}"
     trace = tmp_path / "timeline.json"
@@ -161,29 +154,3 @@ def test_cli_timeline_shows_both_stand_ins_and_times_each_problems_peers_once(tm
     assert {rank for rank, _ in peers} == {"stand-in 0", "stand-in 1"}, "split between the ranks"
     timed = sum(row["trials_timed"] for row in rows.values())
     assert timed >= 6, "every evaluated trial shows on a GPU lane"
-
-
-def test_threads_of_a_timeline_record_without_losing_spans():
-    recorded = Timeline()
-
-    def record(n):
-        for i in range(200):
-            recorded.add("gpu", f"trial {n}-{i}", 0.0, 1.0)
-
-    threads = [threading.Thread(target=record, args=(n,)) for n in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert len(recorded.take()) == 800 and recorded.take() == []
-
-
-def test_span_is_a_plain_record():
-    span = Span("gpu", "trial 1", "", 1.0, 2.0)
-    assert dataclasses.asdict(span) == {
-        "lane": "gpu",
-        "name": "trial 1",
-        "problem": "",
-        "start": 1.0,
-        "end": 2.0,
-    }

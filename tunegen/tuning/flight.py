@@ -63,7 +63,7 @@ class Flight:
         (one to take, one for a slow compile), within the compile workers there are."""
         if self.compile_s is None or self.gpu_s is None:
             return min(self.workers, FIRST_AHEAD)
-        return max(2, min(self.workers, math.ceil(self.compile_s / max(self.gpu_s, 1e-3)) + 2))
+        return min(self.workers, math.ceil(self.compile_s / max(self.gpu_s, 1e-3)) + 2)
 
     def holds(self, problem: Problem) -> bool:
         """Whether anything of `problem` is compiling, waiting for the GPU or on it."""

@@ -94,11 +94,7 @@ class Tuner(FinalRound):
             self.storage = studies.storage(self.url, options.heartbeat_s, options.grace_s)
             self.heartbeat = studies.Heartbeat(self.storage, options.heartbeat_s)
         except BaseException:
-            self._timing.shutdown(wait=False, cancel_futures=True)
-            self.pool.kill()
-            self.timer.kill()
-            self.pool.close()
-            self.timer.close()
+            self._stop_workers(abandon=True)
             raise
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.record = gpu_record(gpu, driver_version() if gpu.backend == "cuda" else "")
@@ -114,14 +110,18 @@ class Tuner(FinalRound):
         this process holds are failed and their Variants queued again at once, as the heartbeat
         would do `grace_s` after a killed process's last beat."""
         with deferred():  # a signal meanwhile would leave workers and threads behind
-            if abandon:
-                self.pool.kill()
-                self.timer.kill()
-            self._timing.shutdown(wait=True, cancel_futures=abandon)
+            self._stop_workers(abandon=abandon)
             self.heartbeat.close(abandon=abandon)
-            self.pool.close()
-            self.timer.close()
             self.store.close()
+
+    def _stop_workers(self, *, abandon: bool) -> None:
+        """Stop the timing thread and the worker processes (with `abandon`, cutting their work short)."""
+        if abandon:
+            self.pool.kill()
+            self.timer.kill()
+        self._timing.shutdown(wait=True, cancel_futures=abandon)
+        self.pool.close()
+        self.timer.close()
 
     def __enter__(self) -> Tuner:
         return self
