@@ -91,6 +91,9 @@ def test_two_stand_ins_divide_the_trials(tmp_path, kill):
         if not kill or killed:
             return
         victim = next(p for p in multiprocessing.active_children() if p.name == "tunegen-gpu1")
+        # Stopped while its trials are read: a held trial cannot be concluded between the look
+        # and the kill (pruned just after its claim was written, or evaluated).
+        os.kill(victim.pid, signal.SIGSTOP)
         held = [
             t.number
             for t in _trials(url, PROBLEMS[j])
@@ -98,8 +101,8 @@ def test_two_stand_ins_divide_the_trials(tmp_path, kill):
             and "variant" in t.user_attrs
             and f":{victim.pid}:" in t.user_attrs["owner"]
         ]
+        os.kill(victim.pid, signal.SIGKILL if held else signal.SIGCONT)
         if held:
-            os.kill(victim.pid, signal.SIGKILL)
             killed.append((j, held))
 
     outcomes = host.tune_on(PROBLEMS, ranks, options, progress, lambda gpu, j, o: finished.append(j))

@@ -21,7 +21,8 @@ from conftest import NEEDS_GPU
 from optuna.trial import TrialState
 
 from tunegen.kernels.gpu import interpreter_gpu
-from tunegen.tuning.interrupt import Interrupted, deferred, raising
+from tunegen.tuning import study as studies
+from tunegen.tuning.interrupt import Interrupted, pause, raising
 from tunegen.tuning.presets import dry_run, parse_shape, problems
 from tunegen.tuning.study import evaluated, study_name
 from tunegen.tuning.tuner import TuneOptions, Tuner
@@ -40,13 +41,11 @@ TUNE = ["tune", "--dry-run", "--shape", "4,2,32", "--seqlens", "512", "--causal"
 
 
 def _wait_for_signal() -> None:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        time.sleep(0.01)
+    pause(10)
 
 
 @MAIN_THREAD
-def test_signals_raise_once_after_deferred_sections_and_are_restored():
+def test_signals_raise_once_at_a_wait_and_are_restored():
     before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(Interrupted) as caught, raising():
         os.kill(os.getpid(), signal.SIGTERM)
@@ -55,18 +54,37 @@ def test_signals_raise_once_after_deferred_sections_and_are_restored():
     assert signal.getsignal(signal.SIGTERM) is before, "the previous handler is back"
     steps = []
     with pytest.raises(Interrupted, match="SIGINT"), raising():
-        with deferred():
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(0.2)
-            steps.append("section finished")
-        steps.append("after the section")
-    assert steps == ["section finished"], "the signal waited for the section's end, then stopped it"
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.2)
+        steps.append("work went on")
+        pause(5)
+        steps.append("after the wait")
+    assert steps == ["work went on"], "the signal waited for the next wait, then stopped it"
+    with pytest.raises(Interrupted, match="SIGTERM"), raising():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)  # no wait after it: raised as raising() ends
     with raising():  # once raised, a second signal does not cut the cleanup short
         with pytest.raises(Interrupted):
             os.kill(os.getpid(), signal.SIGINT)
             _wait_for_signal()
         os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(0.2)
+        pause(0.2)
+
+
+@MAIN_THREAD
+def test_a_signal_stops_the_main_threads_wait_for_a_worker():
+    """The main thread waits for a worker in slices, so a signal stops it at once: never halfway
+    through a lock or a transaction, never after the task's whole time limit."""
+    worker = Worker(interpret=True)
+    try:
+        start = time.monotonic()
+        with pytest.raises(Interrupted), raising():
+            threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+            worker.call(_hang, {}, timeout=60)
+        assert time.monotonic() - start < 10
+    finally:
+        worker.kill()
+        worker.close()
 
 
 @MAIN_THREAD
@@ -156,6 +174,17 @@ def _held(url, gpu, problem, process: subprocess.Popen) -> list[int]:
     raise AssertionError("the tuning process never held a trial")
 
 
+def _last_copy(trials, number):
+    """The last of the queued copies of trial `number` (itself if it has none). A copy given back
+    is queued again: another rank may take a copy in the moment before the signal reaches it."""
+    while True:
+        copies = [t for t in trials.values() if t.user_attrs.get("retry_of") == number]
+        if not copies:
+            return trials[number]
+        (copy,) = copies
+        number = copy.number
+
+
 def _interrupt_and_rerun(url, gpu, problem, args, signum, group) -> None:
     """Run `tunegen tune ARGS` until it holds a trial, send `signum` (to its process group, as a
     terminal's Ctrl-C does, or to it alone), check what it left, then rerun the Problem."""
@@ -190,8 +219,7 @@ def _interrupt_and_rerun(url, gpu, problem, args, signum, group) -> None:
     assert abandoned, f"a held trial was cut short: {held}"
     for number in abandoned:
         assert trials[number].state == TrialState.FAIL
-        (retry,) = [t for t in trials.values() if t.user_attrs.get("retry_of") == number]
-        assert retry.state == TrialState.WAITING, "its Variant is queued again"
+        assert _last_copy(trials, number).state == TrialState.WAITING, "its Variant is queued again"
     # Trials enough for every queued Variant; a trial left running would hold the rerun for 900 s.
     target = sum(1 for t in trials.values() if evaluated(t) or t.state == TrialState.WAITING)
     options = TuneOptions(trials=target, workers=2, url=url, heartbeat_s=10, grace_s=900)
@@ -203,7 +231,8 @@ def _interrupt_and_rerun(url, gpu, problem, args, signum, group) -> None:
     trials = {t.number: t for t in _trials(url, gpu, problem)}
     assert not [n for n, t in trials.items() if t.state in (TrialState.RUNNING, TrialState.WAITING)]
     for number in abandoned:
-        (retry,) = [t for t in trials.values() if t.user_attrs.get("retry_of") == number]
+        retry = _last_copy(trials, number)
+        assert retry.number != number and evaluated(retry)
         assert retry.user_attrs.get("variant") == trials[number].user_attrs["variant"]
 
 
@@ -242,3 +271,29 @@ def test_an_interrupted_gpu_tune_gives_its_trials_back(tmp_path, signum, ranks, 
     args = ["tune", "--shape", "4,2,64", "--seqlens", "1024", "--causal", "no", "--trials", "8"]
     gpu = cuda_gpu(torch.cuda.current_device())
     _interrupt_and_rerun(url, gpu, problem, [*args, "--workers", "2", *ranks], signum, group)
+
+
+def test_a_trial_given_back_is_queued_again_without_counting_as_a_retry(tmp_path):
+    """A stopping process's trials come back as they were (it, not the Variant, stopped); a
+    Variant whose process died is queued again `MAX_RETRIES` times at most (it may be the cause)."""
+    url = f"sqlite:///{tmp_path / 'retries.db'}"
+    storage = studies.storage(url, heartbeat_s=60, grace_s=120)
+    study = optuna.create_study(study_name="retries", storage=storage)
+    heartbeat = studies.Heartbeat(storage, 60)
+    trial = studies.ask(study)
+    trial.suggest_categorical("block", [64, 128])
+    heartbeat.hold(trial)
+    heartbeat.close(abandon=True)
+    frozen = {t.number: t for t in study.get_trials()}
+    assert frozen[trial.number].state == TrialState.FAIL
+    (copy,) = [t for t in frozen.values() if t.state == TrialState.WAITING]
+    assert copy.user_attrs == {"retries": 0, "retry_of": trial.number}
+    assert copy.system_attrs["fixed_params"] == frozen[trial.number].params
+    for _ in range(studies.MAX_RETRIES + 1):  # each copy asked, and its process dies
+        trial = studies.ask(study)
+        trial.suggest_categorical("block", [64, 128])
+        study.tell(trial, state=TrialState.FAIL)
+        studies._requeue(study, study.get_trials()[trial.number])
+    copies = [t for t in study.get_trials() if "retry_of" in t.user_attrs]
+    assert [t.user_attrs["retries"] for t in copies] == [0, *range(1, studies.MAX_RETRIES + 1)]
+    assert not study.get_trials(states=(TrialState.WAITING,)), "not queued past its retries"

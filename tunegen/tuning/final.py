@@ -18,6 +18,7 @@ from tunegen.kernels.gpu import Gpu
 from tunegen.kernels.problem import Problem
 from tunegen.kernels.render import template_hash
 from tunegen.tuning import study as studies
+from tunegen.tuning.interrupt import pause
 from tunegen.tuning.timeline import TUNER, WAIT_OTHERS, problem_label
 from tunegen.tuning.timing import rate
 from tunegen.tuning.trial import evaluate_task, peers_task
@@ -75,7 +76,7 @@ class FinalRound:
                     studies.fail_stale(study, opts.grace_s)
                     if not any(studies.holds_claim(t) for t in study.get_trials(deepcopy=False)):
                         break
-                    time.sleep(min(1.0, opts.heartbeat_s))
+                    pause(min(1.0, opts.heartbeat_s))
             if studies.claimed(study) >= opts.trials or not study.get_trials(
                 deepcopy=False, states=(TrialState.WAITING,)
             ):

@@ -1,5 +1,5 @@
 """The trials one tuning process has in flight: compiling, compiled and waiting for the GPU, and
-on the GPU; and how many to keep ahead of the GPU.
+on the GPU; how many to keep ahead of the GPU; and where asking for each Problem's trials stands.
 
 The GPU (the timing worker) is what a search waits for: a trial's check and timing take longer
 than its compile. So the GPU gets its next trial queued behind the one it runs (it never waits for
@@ -38,6 +38,20 @@ class Pending:
     trial: optuna.Trial | None
     variant: Variant | None
     payload: dict[str, Any]
+
+
+@dataclasses.dataclass
+class Asks:
+    """Where asking for one Problem's trials stands: its study and space, the Variants that
+    failed before, how many were asked, whether its limits still allow more."""
+
+    study: optuna.Study
+    family: Any
+    space: dict[str, list]
+    failures: dict[str, str]
+    start: float
+    asked: int = 0
+    more: bool = True
 
 
 class Flight:

@@ -26,7 +26,7 @@ from tunegen.kernels.gpu import Gpu
 from tunegen.kernels.problem import Problem
 from tunegen.tuning import study as studies
 from tunegen.tuning.final import Outcome
-from tunegen.tuning.interrupt import Interrupted, blocked, raising
+from tunegen.tuning.interrupt import Interrupted, blocked, check, raising
 from tunegen.tuning.options import MAX_SEED
 from tunegen.tuning.timeline import TUNER, WAIT_HOST, Span
 from tunegen.tuning.tuner import TuneOptions, Tuner
@@ -133,6 +133,7 @@ def _rank_main(
 
     def answer() -> tuple:
         while not conn.poll(POLL_S):
+            check()
             if parent is not None and not parent.is_alive():
                 raise SystemExit(1)
         return conn.recv()
@@ -312,6 +313,7 @@ class _Host:
             for state in self.states:
                 self._start(state)
             while not all(self._group_done(s.rank.gpu) for s in self.states):
+                check()
                 live = {s.conn: s for s in self.states if not s.done}
                 for conn in multiprocessing.connection.wait(list(live), timeout=POLL_S):
                     state = live[conn]

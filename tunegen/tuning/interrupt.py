@@ -1,8 +1,15 @@
 """Stopping a tuning process on SIGINT (Ctrl-C) or SIGTERM as an exception, so that it can give its
 trials back to the shared study before it exits (see Tuner.close) instead of leaving them running
-until the heartbeat's grace runs out. The few steps that must not be cut in two (a trial asked for
-but not yet held) defer the exception to their end, and the processes a tuner starts get the
-signals only once they can handle them (`blocked`), never as a traceback halfway through starting."""
+until the heartbeat's grace runs out.
+
+The signal handler only notes the signal; `Interrupted` is raised where the main thread waits
+(`check`, `pause`, and the waits of the tuner, the host and the workers, which wait in short
+slices), never at whatever line the signal happens to land on. Raised there, it could cut a
+lock's acquisition in two (a future's condition in `concurrent.futures.wait`, leaving the thread
+that completes it blocked for good) or a database transaction (leaving SQLite's write lock held
+by a connection nobody will close): either way the process could no longer give its trials back.
+The processes a tuner starts get the signals only once they can handle them (`blocked`), never
+as a traceback halfway through starting."""
 
 from __future__ import annotations
 
@@ -10,11 +17,14 @@ import contextlib
 import logging
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from multiprocessing import resource_tracker
 from typing import Any
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# How long a wait of the main thread goes without looking for a signal.
+SLICE_S = 0.1
 # Interrupted can surface inside SQLAlchemy's pool as it resets a connection in a finalizer, which
 # logs it with a traceback and passes it on: once the process is stopping by request, that log
 # says nothing, so it is quieted until `raising()` ends.
@@ -40,33 +50,47 @@ class Interrupted(KeyboardInterrupt):
 
 
 class _State:
-    depth = 0  # deferred() sections the main thread is in
-    pending: int | None = None  # a signal that arrived inside one
+    pending: int | None = None  # the first signal that arrived, not yet raised
     raised = False  # Interrupted was raised: the process is stopping, later signals wait for it
 
 
-def _stop(signum: int) -> Interrupted:
+def _handler(signum: int, _frame: Any) -> None:
+    if not _State.raised and _State.pending is None:
+        _State.pending = signum
+
+
+def check() -> None:
+    """Raise `Interrupted` if a signal arrived under `raising()` and none was raised yet (in the
+    main thread only: elsewhere this does nothing)."""
+    if _State.pending is None or _State.raised:
+        return
+    if threading.current_thread() is not threading.main_thread():
+        return
+    signum, _State.pending = _State.pending, None
     _State.raised = True
     _POOL_LOG.setLevel(logging.CRITICAL)
-    return Interrupted(signum)
+    raise Interrupted(signum)
 
 
-def _handler(signum: int, _frame: Any) -> None:
-    if _State.raised:
-        return
-    if _State.depth:
-        _State.pending = _State.pending or signum
-        return
-    raise _stop(signum)
+def pause(seconds: float) -> None:
+    """`time.sleep(seconds)`, stopped by a signal (`check`)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        check()
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        time.sleep(min(left, SLICE_S))
 
 
 @contextlib.contextmanager
 def raising() -> Iterator[None]:
-    """While in force, SIGINT and SIGTERM raise `Interrupted` in the main thread, once: signals
-    after it are ignored while the process stops, so that a second Ctrl-C (or the terminal's
-    SIGINT reaching a process whose parent also forwards a SIGTERM) cannot cut its cleanup short.
-    A signal its starter made this process ignore stays ignored; outside the main thread, where
-    Python cannot handle signals, this does nothing."""
+    """While in force, SIGINT and SIGTERM raise `Interrupted` in the main thread at its next wait
+    (`check`), once: signals after it are ignored while the process stops, so that a second Ctrl-C
+    (or the terminal's SIGINT reaching a process whose parent also forwards a SIGTERM) cannot cut
+    its cleanup short. A signal that arrives after the last wait is raised as this ends. A signal
+    its starter made this process ignore stays ignored; outside the main thread, where Python
+    cannot handle signals, this does nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -78,28 +102,12 @@ def raising() -> Iterator[None]:
     try:
         unblock()  # a process started under `blocked()` gets what was sent meanwhile, now
         yield
+        check()
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-        _State.depth, _State.pending, _State.raised = 0, None, False
+        _State.pending, _State.raised = None, False
         _POOL_LOG.setLevel(pool_level)
-
-
-@contextlib.contextmanager
-def deferred() -> Iterator[None]:
-    """Hold `Interrupted` back until the end of this section (of the main thread: elsewhere no
-    signal is handled)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    _State.depth += 1
-    try:
-        yield
-    finally:
-        _State.depth -= 1
-        if not _State.depth and _State.pending is not None:
-            signum, _State.pending = _State.pending, None
-            raise _stop(signum)
 
 
 @contextlib.contextmanager

@@ -69,11 +69,14 @@ def study_name(gpu: Gpu, problem: Problem, sampler: str) -> str:
     return f"tunegen-{problem.family}-{slug}-{gpu.backend}-triton{gpu.triton_version}-{sampler}-{digest}"
 
 
-def _requeue(study: optuna.Study, trial: FrozenTrial) -> None:
-    """Queue an abandoned trial's Variant again: its process died, the Variant did not fail."""
+def _requeue(study: optuna.Study, trial: FrozenTrial, *, died: bool = True) -> None:
+    """Queue an abandoned trial's Variant again: its process died (which the Variant may have
+    caused, so this happens `MAX_RETRIES` times at most), or it gave the trial back as it stopped
+    (`died` False: not the Variant's doing, not counted)."""
     retries = int(trial.user_attrs.get("retries", 0))
     if trial.params and retries < MAX_RETRIES:
-        study.enqueue_trial(trial.params, user_attrs={"retries": retries + 1, "retry_of": trial.number})
+        attrs = {"retries": retries + 1 if died else retries, "retry_of": trial.number}
+        study.enqueue_trial(trial.params, user_attrs=attrs)
 
 
 def storage(url: str, heartbeat_s: int, grace_s: int) -> optuna.storages.RDBStorage:
@@ -253,7 +256,7 @@ class Heartbeat:
     def _give_back(self, trial_id: int, study: optuna.Study) -> None:
         try:
             if self._storage.set_trial_state_values(trial_id, state=TrialState.FAIL):
-                _requeue(study, self._storage.get_trial(trial_id))
+                _requeue(study, self._storage.get_trial(trial_id), died=False)
         except optuna.exceptions.UpdateFinishedTrialError:
             return  # concluded a moment ago
         except Exception as exc:  # the database is unreachable: the grace period will do it

@@ -14,7 +14,6 @@ and records the Winner.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import os
 import socket
 import time
@@ -32,30 +31,16 @@ from tunegen.kernels.families.base import choose
 from tunegen.kernels.gpu import Gpu, driver_version
 from tunegen.kernels.problem import Problem
 from tunegen.kernels.variant import Variant
+from tunegen.tuning import interrupt
 from tunegen.tuning import study as studies
 from tunegen.tuning.final import FinalRound, Outcome
-from tunegen.tuning.flight import FIRST_AHEAD, GPU_QUEUE, Flight, Pending
-from tunegen.tuning.interrupt import deferred
+from tunegen.tuning.flight import FIRST_AHEAD, GPU_QUEUE, Asks, Flight, Pending
 from tunegen.tuning.options import TuneOptions
 from tunegen.tuning.timeline import GPU, SAMPLER, TUNER, Timeline, problem_label
 from tunegen.tuning.timing import rate
 from tunegen.tuning.trial import compile_task, evaluate_task, peers_task, warm_task
 from tunegen.tuning.workers import Worker, WorkerPool
 from tunegen.tuning_db import FailureRecord
-
-
-@dataclasses.dataclass
-class _Asks:
-    """Where asking for one Problem's trials stands: its study and space, the Variants that
-    failed before, how many were asked, whether its limits still allow more."""
-
-    study: optuna.Study
-    family: Any
-    space: dict[str, list]
-    failures: dict[str, str]
-    start: float
-    asked: int = 0
-    more: bool = True
 
 
 class Tuner(FinalRound):
@@ -100,7 +85,7 @@ class Tuner(FinalRound):
         self.record = gpu_record(gpu, driver_version() if gpu.backend == "cuda" else "")
         self._studies: dict[Problem, optuna.Study] = {}
         self._peers: dict[Problem, dict[str, Any]] = {}
-        self._asks: dict[Problem, _Asks] = {}
+        self._asks: dict[Problem, Asks] = {}
         self.flight = Flight(self.pool.size)
         self.times_peers = times_peers
 
@@ -109,10 +94,9 @@ class Tuner(FinalRound):
         early: interrupted, or failing), work in flight is cut short, not awaited, and the trials
         this process holds are failed and their Variants queued again at once, as the heartbeat
         would do `grace_s` after a killed process's last beat."""
-        with deferred():  # a signal meanwhile would leave workers and threads behind
-            self._stop_workers(abandon=abandon)
-            self.heartbeat.close(abandon=abandon)
-            self.store.close()
+        self._stop_workers(abandon=abandon)
+        self.heartbeat.close(abandon=abandon)
+        self.store.close()
 
     def _stop_workers(self, *, abandon: bool) -> None:
         """Stop the timing thread and the worker processes (with `abandon`, cutting their work short)."""
@@ -147,20 +131,19 @@ class Tuner(FinalRound):
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         name = studies.study_name(self.gpu, problem, self.options.sampler)
         sampler = studies.make_sampler(self.options.sampler, self.options.seed, space)
-        with deferred():  # a study made and not given its default would never get it
-            try:
-                study = optuna.create_study(
-                    study_name=name, storage=self.storage, sampler=sampler, direction="minimize"
-                )
-            except optuna.exceptions.DuplicatedStudyError:  # another process's, or an earlier run's
-                study = optuna.load_study(study_name=name, storage=self.storage, sampler=sampler)
-            else:  # this process made it: its first trial is the default Variant
-                default = family.default_variant(problem, self.gpu).as_dict()
-                params = choose(
-                    family, space, lambda name, values: default[name] if default[name] in values else None
-                )
-                if None not in params.values():
-                    study.enqueue_trial(params)
+        try:
+            study = optuna.create_study(
+                study_name=name, storage=self.storage, sampler=sampler, direction="minimize"
+            )
+        except optuna.exceptions.DuplicatedStudyError:  # another process's, or an earlier run's
+            study = optuna.load_study(study_name=name, storage=self.storage, sampler=sampler)
+        else:  # this process made it: its first trial is the default Variant
+            default = family.default_variant(problem, self.gpu).as_dict()
+            params = choose(
+                family, space, lambda name, values: default[name] if default[name] in values else None
+            )
+            if None not in params.values():
+                study.enqueue_trial(params)
         self._studies[problem] = study
         return study
 
@@ -206,17 +189,13 @@ class Tuner(FinalRound):
                 self._dispatch(problem)
                 if not more and not self.flight.holds(problem):
                     return
-                done, _ = concurrent.futures.wait(
-                    self.flight.futures(), return_when=concurrent.futures.FIRST_COMPLETED
-                )
-                with deferred():  # results are told whole: a signal lands while waiting, not mid-write
-                    self._take(done, problem, progress)
+                self._take(self._wait(), problem, progress)
         finally:
             self._asks.pop(problem, None)
 
-    def _asking(self, problem: Problem) -> _Asks:
+    def _asking(self, problem: Problem) -> Asks:
         family = get(problem.family)
-        return _Asks(
+        return Asks(
             study=self._study(problem),
             family=family,
             space=family.search_space(problem, self.gpu),
@@ -226,7 +205,7 @@ class Tuner(FinalRound):
             start=time.monotonic(),
         )
 
-    def _can_ask(self, problem: Problem, asks: _Asks) -> bool:
+    def _can_ask(self, problem: Problem, asks: Asks) -> bool:
         """Whether `problem` has trials left to ask for: none of its limits reached, and fewer
         than `trials` evaluated or held by the processes sharing its study."""
         opts, study = self.options, asks.study
@@ -255,14 +234,14 @@ class Tuner(FinalRound):
                 self._ask(then, ahead)
         return False
 
-    def _ask(self, problem: Problem, asks: _Asks) -> None:
+    def _ask(self, problem: Problem, asks: Asks) -> None:
         """One trial from the sampler: screened (pruned with the reason) or sent to compile."""
         opts, study = self.options, asks.study
+        interrupt.check()  # a stopping process takes no more trials (not even a copy given back)
         asking = time.time()
-        with deferred():  # a trial asked for is held before a signal can stop this process
-            trial = studies.ask(study)
-            self.heartbeat.hold(trial)
-            trial.set_user_attr("owner", self.owner)
+        trial = studies.ask(study)
+        self.heartbeat.hold(trial)
+        trial.set_user_attr("owner", self.owner)
         asks.asked += 1
         params = choose(asks.family, asks.space, trial.suggest_categorical)
         variant, reason = self._screen(asks.family, params, problem, study, trial, asks.failures)
@@ -276,6 +255,17 @@ class Tuner(FinalRound):
             compile_task, payload, opts.trial_timeout, (f"trial {trial.number}", problem_label(problem))
         )
         self.flight.compiling[future] = Pending(problem, trial, variant, payload)
+
+    def _wait(self) -> set[concurrent.futures.Future]:
+        """The futures in flight that are done, once one is; a signal stops the wait (and only
+        the wait: see interrupt.py)."""
+        while True:
+            interrupt.check()
+            done, _ = concurrent.futures.wait(
+                self.flight.futures(), interrupt.SLICE_S, concurrent.futures.FIRST_COMPLETED
+            )
+            if done:
+                return done
 
     def _dispatch(self, problem: Problem) -> None:
         """Queue `problem`'s compiled trials on the GPU, up to its queue's length."""

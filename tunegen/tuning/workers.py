@@ -11,11 +11,12 @@ import os
 import queue
 import signal
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 from tunegen.kernels.render import interpreting
-from tunegen.tuning.interrupt import blocked, unblock
+from tunegen.tuning.interrupt import SLICE_S, blocked, check, unblock
 from tunegen.tuning.timeline import Timeline, compile_lane
 
 Task = Callable[[dict[str, Any]], dict[str, Any]]
@@ -68,10 +69,13 @@ class Worker:
     def call(self, task: Task, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
         """Run `task(payload)` in the child; a death or overrun becomes a failed result, or one with
         status "stopped" where the child was stopped (`kill`, or a SIGTERM): not the task's doing."""
+        deadline = time.monotonic() + timeout
         try:
             self._conn.send((task, payload))
-            if self._conn.poll(timeout):
-                return self._conn.recv()
+            while time.monotonic() < deadline:
+                check()  # in the main thread, a signal stops the wait (the tuner then kills this)
+                if self._conn.poll(min(SLICE_S, max(0.0, deadline - time.monotonic()))):
+                    return self._conn.recv()
             reason = f"timed out after {timeout:g} s"
         except (EOFError, OSError, BrokenPipeError):
             reason = "the worker process died"
