@@ -10,6 +10,7 @@ import tunegen.source_tree  # first: a clone run without installing finds its ro
 
 # isort: split
 import tunegen.ops  # noqa: F401  (registers torch.ops.tunegen.*)
+from tunegen import flash_provider
 from tunegen.api import attention, attention_varlen, explain
 from tunegen.backends import FallbackError
 from tunegen.decode import decode_attention
@@ -19,6 +20,7 @@ from tunegen.kvcache import KVCache
 from tunegen.version import __version__
 
 warn_if_unchecked()
+flash_provider.register()  # activated only by torch.nn.attention.activate_flash_attention_impl("tunegen")
 
 __all__ = [
     "FallbackError",

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from tunegen import eager, fp8_attention, ops
+from tunegen import eager, flash_provider, fp8_attention, ops
 from tunegen.backends import wants_grad
 from tunegen.backward import AttentionFunction
 from tunegen.calls.prefill import PrefillCall
@@ -38,14 +38,25 @@ def _bound(q: object, k: object, v: object, args: tuple, kwargs: dict[str, Any])
     return target, call.arguments
 
 
-def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any) -> dict[str, Any]:
+def explain(
+    q: torch.Tensor | None = None,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    *args: Any,
+    **kwargs: Any,
+) -> dict[str, Any]:
     """Which kernel a call with these arguments runs, and why: the Problem, the Gpu, the source
     ("winner", "nearest" bucket, "default", or "torch" for the PyTorch fallback), the Variant's
     knobs that apply to the Problem on that Gpu (`base.applicable`; the others keep their
     defaults) and the Winner's provenance. Takes the arguments of `attention` (FP8 ones too), or
     of `attention_varlen` when q is packed (3-D), and refuses any other; explains the forward
     kernel that call runs (with its log-sum-exp where autograd records, as the call keeps it for
-    the backward). Builds the kernel if this is the first call for the Problem; runs none."""
+    the backward). Builds the kernel if this is the first call for the Problem; runs none.
+
+    Without arguments: what tunegen as PyTorch's flash-attention provider served and refused so
+    far, by aten op and reason (`tunegen.flash_provider.routing`)."""
+    if q is None and k is None and v is None and not args and not kwargs:
+        return flash_provider.routing()
     target, a = _bound(q, k, v, args, kwargs)
     common = {"causal": a["causal"], "scale": a["scale"], "strict": a["strict"]}
     keep_lse = bool(a["return_lse"]) or wants_grad(q, k, v)
@@ -115,6 +126,7 @@ def attention(
     scale: float | None = None,
     return_lse: bool = False,
     strict: bool | None = None,
+    deterministic: bool = False,
     precision: str | None = None,
     hadamard: bool | None = None,
     q_descale: torch.Tensor | None = None,
@@ -130,7 +142,9 @@ def attention(
     log-sum-exp (batch, heads, seqlen_q) in float32. `strict` (default: TUNEGEN_STRICT)
     makes any path other than a Triton kernel an error. Under torch.compile the call is the
     custom op `torch.ops.tunegen.attention`. Differentiable: when autograd records and q, k or v
-    requires grad, the backward family's kernels give their gradients (and the log-sum-exp's).
+    requires grad, the backward family's kernels give their gradients (and the log-sum-exp's);
+    with `deterministic`, the same bits on every run (what torch.use_deterministic_algorithms
+    asks of every call, asked of this one).
 
     FP8 (not differentiable): `precision="fp8"` quantizes float16/bfloat16 q, k, v to float8
     e4m3 with per-block scales, first rotating q and k by a Walsh-Hadamard matrix along head_dim
@@ -166,7 +180,9 @@ def attention(
         if fast is not None:
             return fast(q, k, v, scale)
     keep_lse = bool(return_lse) or grad
-    call = PrefillCall.dense(q, k, v, causal=causal, scale=scale, return_lse=keep_lse, strict=strict)
+    call = PrefillCall.dense(
+        q, k, v, causal=causal, scale=scale, return_lse=keep_lse, strict=strict, deterministic=deterministic
+    )
     return _serve(call, bool(return_lse), grad, key)
 
 
@@ -183,6 +199,7 @@ def attention_varlen(
     scale: float | None = None,
     return_lse: bool = False,
     strict: bool | None = None,
+    deterministic: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention over packed (total_tokens, heads, head_dim) sequences, as `flash_attn_varlen_func`.
 
@@ -208,6 +225,7 @@ def attention_varlen(
         return_lse=bool(return_lse) or grad,
         strict=strict,
         read_lengths=not (compiling or capturing),
+        deterministic=deterministic,
     )
     return _serve(call, bool(return_lse), grad, None)
 

@@ -19,14 +19,15 @@ from tunegen.kernels.gpu import gpu_of
 
 
 def gradients(call: BackwardCall) -> Grads:
-    """dq, dk, dv of `call.forward`: the kernel dispatched for the backward Problem (under
-    torch.use_deterministic_algorithms, its fixed-order form: the same bits on every run), or where
-    no Triton kernel runs, autograd through the forward's reference."""
+    """dq, dk, dv of `call.forward`: the kernel dispatched for the backward Problem (where the
+    forward asked for it, or under torch.use_deterministic_algorithms, its fixed-order form: the
+    same bits on every run), or where no Triton kernel runs, autograd through the forward's
+    reference."""
     if call.forward.backend() == "torch":
         return call.fallback()
     dq, dk, dv = call.outputs()
     problem, gpu = call.problem(), gpu_of(call.forward.q.device)
-    if torch.are_deterministic_algorithms_enabled():
+    if call.forward.deterministic or torch.are_deterministic_algorithms_enabled():
         kernel = dispatch.deterministic_kernel_for(problem, gpu)
     else:
         kernel = dispatch.kernel_for(problem, gpu)

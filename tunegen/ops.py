@@ -20,15 +20,22 @@ def _capturing(q: torch.Tensor) -> bool:
 
 @torch.library.custom_op("tunegen::attention", mutates_args=())
 def attention_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, return_lse: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    return_lse: bool,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """attention(); the log-sum-exp is a 0-element tensor unless asked for."""
+    """attention(); the log-sum-exp is a 0-element tensor unless asked for (`deterministic` is
+    the backward's)."""
     out, lse = eager.run(PrefillCall.dense(q, k, v, causal=causal, scale=scale, return_lse=return_lse))
     return out, lse if lse is not None else q.new_empty(0, dtype=torch.float32)
 
 
 @attention_op.register_fake
-def _(q, k, v, causal, scale, return_lse):
+def _(q, k, v, causal, scale, return_lse, *_):
     lse_shape = q.shape[:3] if return_lse else (0,)
     return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
 
@@ -45,6 +52,7 @@ def attention_varlen_op(
     causal: bool,
     scale: float,
     return_lse: bool,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """attention_varlen(); the log-sum-exp is a 0-element tensor unless asked for."""
     sizes = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
@@ -63,7 +71,7 @@ def attention_varlen_op(
 
 
 @attention_varlen_op.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, return_lse):
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, return_lse, *_):
     lse_shape = (q.shape[1], q.shape[0]) if return_lse else (0,)
     return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
 
@@ -79,14 +87,17 @@ def attention_backward_op(
     dlse: torch.Tensor | None,
     causal: bool,
     scale: float,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients (dq, dk, dv) of attention() from its output's and log-sum-exp's gradients."""
-    forward = PrefillCall.dense(q, k, v, causal=causal, scale=scale, return_lse=True)
+    forward = PrefillCall.dense(
+        q, k, v, causal=causal, scale=scale, return_lse=True, deterministic=deterministic
+    )
     return backward.gradients(BackwardCall.checked(forward, out, lse, dout, dlse))
 
 
 @attention_backward_op.register_fake
-def _(dout, q, k, v, out, lse, dlse, causal, scale):
+def _(dout, q, k, v, *_):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -105,23 +116,27 @@ def attention_varlen_backward_op(
     max_seqlen_k: int,
     causal: bool,
     scale: float,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients (dq, dk, dv) of attention_varlen()."""
     sizes = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    forward = PrefillCall.packed(q, k, v, *sizes, causal=causal, scale=scale, return_lse=True)
+    forward = PrefillCall.packed(
+        q, k, v, *sizes, causal=causal, scale=scale, return_lse=True, deterministic=deterministic
+    )
     return backward.gradients(BackwardCall.checked(forward, out, lse, dout, dlse))
 
 
 @attention_varlen_backward_op.register_fake
-def _(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale):
+def _(dout, q, k, v, *_):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def through_op(call: PrefillCall) -> tuple[torch.Tensor, torch.Tensor]:
     """`call` (checked, as traced) through its custom op: the output and log-sum-exp (a 0-element
     tensor unless `call.return_lse`)."""
+    flags = (call.causal, call.scale, call.return_lse, call.deterministic)
     if call.varlen is None:
-        return torch.ops.tunegen.attention(call.q, call.k, call.v, call.causal, call.scale, call.return_lse)
+        return torch.ops.tunegen.attention(call.q, call.k, call.v, *flags)
     x = call.varlen
     return torch.ops.tunegen.attention_varlen(
         call.q,
@@ -131,9 +146,7 @@ def through_op(call: PrefillCall) -> tuple[torch.Tensor, torch.Tensor]:
         x.cu_seqlens_k,
         x.max_seqlen_q,
         x.max_seqlen_k,
-        call.causal,
-        call.scale,
-        call.return_lse,
+        *flags,
     )
 
 
@@ -148,22 +161,23 @@ def _keep_for_backward(ctx, inputs, output) -> None:
 
 def _attention_grads(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
-    causal, scale, _ = ctx.rest
+    causal, scale, _, deterministic = ctx.rest
     if lse.numel() == 0:  # called without the log-sum-exp (return_lse=False): compute it again
         out, lse = attention_op(q, k, v, causal, scale, True)
         dlse = None
-    return (*attention_backward_op(dout, q, k, v, out, lse, dlse, causal, scale), None, None, None)
+    grads = attention_backward_op(dout, q, k, v, out, lse, dlse, causal, scale, deterministic)
+    return (*grads, None, None, None, None)
 
 
 def _attention_varlen_grads(ctx, dout, dlse):
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-    max_seqlen_q, max_seqlen_k, causal, scale, _ = ctx.rest
+    max_seqlen_q, max_seqlen_k, causal, scale, _, deterministic = ctx.rest
     sizes = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if lse.numel() == 0:  # called without the log-sum-exp (return_lse=False): compute it again
         out, lse = attention_varlen_op(q, k, v, *sizes, causal, scale, True)
         dlse = None
-    grads = attention_varlen_backward_op(dout, q, k, v, out, lse, dlse, *sizes, causal, scale)
-    return (*grads, *(None,) * 7)
+    grads = attention_varlen_backward_op(dout, q, k, v, out, lse, dlse, *sizes, causal, scale, deterministic)
+    return (*grads, *(None,) * 8)
 
 
 attention_op.register_autograd(_attention_grads, setup_context=_keep_for_backward)

@@ -121,6 +121,41 @@ def test_fullgraph_compile_gradients():
     assert_grads([t.grad for t in inputs[3:]], ref, torch.float16)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_deterministic_call_gets_the_fixed_order_backward(monkeypatch, compiled):
+    """`deterministic=True` asks this call's backward for the kernel that gives the same bits on
+    every run (dispatch.deterministic_kernel_for), eagerly and through the custom ops; other calls
+    keep the fastest one."""
+    if not dispatch_interprets():
+        pytest.skip("CPU kernels need the interpreter")
+    from tunegen.kernels import dispatch
+
+    asked = []
+    real = dispatch.deterministic_kernel_for
+    monkeypatch.setattr(dispatch, "deterministic_kernel_for", lambda *a: asked.append(a) or real(*a))
+    q, k, v, dout = qkv_dout(1, 4, 2, 29, 29, 32, torch.float16, torch.device("cpu"), seed=63)
+    qp, kp, vp, dout_p = (t[0].transpose(0, 1) for t in (q, k, v, dout))
+    cu = torch.tensor([0, 11, 29], dtype=torch.int32)
+
+    def losses(q, k, v, qp, kp, vp, deterministic):
+        out = tunegen.attention(q, k, v, causal=True, deterministic=deterministic)
+        packed_out = tunegen.attention_varlen(qp, kp, vp, cu, cu, 18, 18, deterministic=deterministic)
+        return (out.float() * dout.float()).sum() + (packed_out.float() * dout_p.float()).sum()
+
+    run = losses
+    if compiled:
+        torch._dynamo.reset()
+        run = torch.compile(losses, fullgraph=True)
+    for deterministic in (False, True):
+        asked.clear()
+        inputs = leaves(q, k, v, qp, kp, vp)
+        run(*inputs, deterministic).backward()
+        assert len(asked) == (2 if deterministic else 0)
+        forward = lambda q, k, v: attention_reference(q, k, v, causal=True, scale=32**-0.5)
+        ref = reference_grads(forward, (q, k, v), dout)
+        assert_grads([t.grad for t in inputs[:3]], ref, torch.float16)
+
+
 def test_backward_ops_pass_opcheck():
     if not dispatch_interprets():
         pytest.skip("CPU kernels need the interpreter")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -10,8 +11,11 @@ import torch
 pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM
 
+import tunegen
 import tunegen.huggingface
 
+# CPU SDPA's flash op and its backward, which tunegen takes under the interpreter once active.
+OPS = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward")
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="CPU kernels need the interpreter"
 )
@@ -64,3 +68,36 @@ def test_a_padded_batch_is_refused_not_silently_wrong(model):
         ValueError, match="attention_mask: tunegen runs causal or full attention without a mask"
     ):
         _run(model, "tunegen", input_ids=ids, attention_mask=mask)
+
+
+@pytest.mark.skipif(
+    not hasattr(torch.nn.attention, "register_flash_attention_impl"), reason="no flash-attention registry"
+)
+def test_sdpa_through_the_flash_provider_matches_eager_with_gradients(model):
+    """attn_implementation="sdpa" with tunegen active as PyTorch's flash provider: tunegen runs
+    every layer's attention, and the logits and one training step's gradients match eager's."""
+    from torch.nn.attention import activate_flash_attention_impl, restore_flash_attention_impl
+
+    ids = torch.randint(0, 128, (2, 29), generator=torch.Generator().manual_seed(4))
+    grads = {}
+    for implementation in ("eager", "sdpa"):
+        trained = copy.deepcopy(model).train()
+        trained.set_attn_implementation(implementation)
+        if implementation == "sdpa":
+            activate_flash_attention_impl("tunegen")
+            served = tunegen.explain()["served"]
+            served = [served.get(op, 0) for op in OPS]
+        try:
+            loss = trained(input_ids=ids, labels=ids).loss
+            loss.backward()
+        finally:
+            if implementation == "sdpa":
+                restore_flash_attention_impl()
+        grads[implementation] = (loss.detach(), {n: p.grad for n, p in trained.named_parameters()})
+    after = [tunegen.explain()["served"][op] for op in OPS]
+    layers = model.config.num_hidden_layers
+    assert after == [n + layers for n in served], "tunegen ran each layer's attention and its backward"
+    (ref_loss, ref), (loss, got) = grads["eager"], grads["sdpa"]
+    assert abs(float(loss - ref_loss)) < 1e-5 * abs(float(ref_loss))
+    for name, g in got.items():
+        assert float((g - ref[name]).norm()) <= 1e-4 * float(ref[name].norm()) + 1e-7, name

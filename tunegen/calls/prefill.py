@@ -40,7 +40,8 @@ class PrefillCall:
     heads, head_dim) with `varlen`; float8 e4m3 with `descales` (q_descale, k_descale, v_descale)
     for FP8. `scale` is resolved; `return_lse` says whether the kernel writes the log-sum-exp (the
     caller asked for it, or autograd keeps it for the backward); `out_dtype` is what the caller
-    gets back (FP8 kernels write bfloat16).
+    gets back (FP8 kernels write bfloat16); `deterministic` asks for a backward whose gradients
+    are the same bits on every run (as torch.use_deterministic_algorithms does for every call).
     """
 
     q: torch.Tensor
@@ -53,6 +54,7 @@ class PrefillCall:
     varlen: Varlen | None = None
     descales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     out_dtype: torch.dtype | None = None
+    deterministic: bool = False
 
     @classmethod
     def dense(
@@ -65,10 +67,14 @@ class PrefillCall:
         scale: object = None,
         return_lse: object = False,
         strict: bool | None = None,
+        deterministic: object = False,
     ) -> PrefillCall:
         """`tunegen.attention`'s 16-bit or float32 call, checked."""
         checks.check_attention(q, k, v)
-        return cls(q, k, v, bool(causal), checks.check_scale(scale, q.shape[-1]), bool(return_lse), strict)
+        resolved = checks.check_scale(scale, q.shape[-1])
+        return cls(
+            q, k, v, bool(causal), resolved, bool(return_lse), strict, deterministic=bool(deterministic)
+        )
 
     @classmethod
     def packed(
@@ -86,13 +92,17 @@ class PrefillCall:
         return_lse: object = False,
         strict: bool | None = None,
         read_lengths: bool = False,
+        deterministic: object = False,
     ) -> PrefillCall:
         """`tunegen.attention_varlen`'s call, checked; with `read_lengths`, the offsets too (read
         back to the host: see checks.check_attention_varlen)."""
         sizes = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         checks.check_attention_varlen(q, k, v, *sizes, read_lengths=read_lengths)
         resolved = checks.check_scale(scale, q.shape[-1])
-        return cls(q, k, v, bool(causal), resolved, bool(return_lse), strict, Varlen(*sizes))
+        flag = bool(deterministic)
+        return cls(
+            q, k, v, bool(causal), resolved, bool(return_lse), strict, Varlen(*sizes), deterministic=flag
+        )
 
     @property
     def batch(self) -> int:

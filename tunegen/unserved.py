@@ -1,0 +1,74 @@
+"""What tunegen does not serve of FlashAttention's and PyTorch's attention arguments, and why: one
+table for `tunegen.flash_attn`, `tunegen.flash_attn_interface` and the flash provider, which
+refuse by the argument's name rather than ignore it."""
+
+from __future__ import annotations
+
+# Why an argument's value is not served, by the argument's name.
+WHY = {
+    "dropout_p": "tunegen applies no dropout; pass 0.0, as in evaluation",
+    "return_debug_mask": "tunegen returns no attention probabilities",
+    "softcap": "logit softcapping is not served yet; pass 0.0",
+    "alibi_slopes": "ALiBi is not served",
+    "window_size": "sliding windows are not served yet; pass (-1, -1), or (-1, 0) for causal",
+    "window_size_left": "sliding windows are not served yet",
+    "window_size_right": "sliding windows are not served yet",
+    "attention_chunk": "chunked local attention is not served yet; pass 0",
+    "rotary_cos": "tunegen applies no rotary embedding; rotate q and k before the call",
+    "rotary_sin": "tunegen applies no rotary embedding; rotate q and k before the call",
+    "cache_batch_idx": "the cache's rows are the batch's, in order; index the cache before the call",
+    "cache_leftpad": "left-padded caches are not served; pass None",
+    "block_table": "paged keys are served by flash_attn_with_kvcache (tunegen.decode_attention), not here",
+    "seqused_q": "per-sequence used lengths are not served here; pass None",
+    "seqused_k": "per-sequence used lengths are not served here; pass None",
+    "num_splits": "tunegen chooses its own split from its tuning",
+    "qv": "the extra QV product is not served",
+    "q_descale": "FP8 descales are served by tunegen.attention's float8 inputs, not here",
+    "k_descale": "FP8 descales are served by tunegen.attention's float8 inputs, not here",
+    "v_descale": "FP8 descales are served by tunegen.attention's float8 inputs, not here",
+    "scheduler_metadata": "tunegen schedules its own programs; pass None",
+    "sm_margin": "tunegen's kernels use every SM; pass 0",
+    "attn_mask": "tunegen takes no mask",
+    "is_causal": "SDPA aligns a causal mask of unequal lengths top-left, tunegen bottom-right",
+    "cum_seq_k": "packed queries need packed keys",
+}
+
+
+class Unserved(ValueError):
+    """An argument's value tunegen does not serve; the message names the argument and says why."""
+
+
+def require(**conditions: bool) -> None:
+    """Unserved for the first argument whose condition does not hold."""
+    for name, ok in conditions.items():
+        if not ok:
+            raise Unserved(f"{name}: {WHY[name]}")
+
+
+def causal_of(causal: bool, left: int | None, right: int | None, seqlen_k: int | None, name: str) -> bool:
+    """tunegen's causal flag for FlashAttention's `causal` and window (left, right), as
+    FlashAttention reads them: None or a negative side is unbounded, and so is one of at least
+    `seqlen_k` keys; causal bounds the right side at 0, and (-1, 0) alone is causal. Any bounded
+    window left is Unserved under `name` (the window's argument name)."""
+
+    def bounded(side: int | None) -> bool:
+        return side is not None and side >= 0 and (seqlen_k is None or side < seqlen_k)
+
+    if bounded(left):
+        require(**{name: False})
+    if causal or (right is not None and right == 0):
+        return True
+    if bounded(right):
+        require(**{name: False})
+    return False
+
+
+def window_of(window_size: object) -> tuple[int, int]:
+    """FlashAttention's `window_size` (left, right) as two ints, or a ValueError naming it."""
+    try:
+        left, right = window_size  # type: ignore[misc]
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size: expected (left, right), two ints, got {window_size!r}") from None
+    if not all(isinstance(side, int) and not isinstance(side, bool) for side in (left, right)):
+        raise ValueError(f"window_size: expected (left, right), two ints, got {window_size!r}")
+    return left, right
