@@ -128,7 +128,7 @@ def flash_forward(
         seqused_k=seqused_k is None,
         alibi_slopes=alibi_slopes is None,
         block_table=block_table is None,
-        num_splits=num_splits is None,
+        num_splits=num_splits is None or num_splits <= 1,
     )
     causal = _causal(is_causal, window_size_left, window_size_right, max_k)
     if cum_seq_q is None:

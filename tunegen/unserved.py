@@ -21,11 +21,16 @@ WHY = {
     "block_table": "paged keys are served by flash_attn_with_kvcache (tunegen.decode_attention), not here",
     "seqused_q": "per-sequence used lengths are not served here; pass None",
     "seqused_k": "per-sequence used lengths are not served here; pass None",
-    "num_splits": "tunegen chooses its own split from its tuning",
+    "num_splits": "tunegen chooses its own split from its tuning; pass 0 (or 1)",
     "qv": "the extra QV product is not served",
-    "q_descale": "FP8 descales are served by tunegen.attention's float8 inputs, not here",
-    "k_descale": "FP8 descales are served by tunegen.attention's float8 inputs, not here",
-    "v_descale": "FP8 descales are served by tunegen.attention's float8 inputs, not here",
+    "q_descale": "descales apply to float8_e4m3fn q, k, v of flash_attn_func only",
+    "k_descale": "descales apply to float8_e4m3fn inputs of flash_attn_func, or an FP8 KV cache",
+    "v_descale": "descales apply to float8_e4m3fn inputs of flash_attn_func, or an FP8 KV cache",
+    "pack_gqa": "tunegen groups GQA heads as its tuning chooses; pass None",
+    "cu_seqlens_q": "packed queries over a KV cache are not served yet; pass None",
+    "cu_seqlens_k_new": "packed new keys are not served yet; pass None",
+    "max_seqlen_q": "packed queries over a KV cache are not served yet; pass None",
+    "rotary_seqlens": "tunegen applies no rotary embedding; rotate q and k before the call",
     "scheduler_metadata": "tunegen schedules its own programs; pass None",
     "sm_margin": "tunegen's kernels use every SM; pass 0",
     "attn_mask": "tunegen takes no mask",
@@ -61,6 +66,20 @@ def causal_of(causal: bool, left: int | None, right: int | None, seqlen_k: int |
     if bounded(right):
         require(**{name: False})
     return False
+
+
+def served_causal(
+    causal: object,
+    window_size: object,
+    seqlen_k: int | None,
+    softcap: object = 0.0,
+    alibi_slopes: object = None,
+) -> bool:
+    """The causal flag tunegen runs for FlashAttention's causal, window, softcap and ALiBi
+    arguments, or Unserved naming the one it does not serve."""
+    require(softcap=not softcap, alibi_slopes=alibi_slopes is None)
+    left, right = window_of(window_size)
+    return causal_of(bool(causal), left, right, seqlen_k, "window_size")
 
 
 def window_of(window_size: object) -> tuple[int, int]:

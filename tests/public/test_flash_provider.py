@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import NEEDS_INTERPRETER
+from conftest import NEEDS_GPU, NEEDS_INTERPRETER
 
 import tunegen
 from helpers import assert_grads, assert_lse, leaves, packed, qkv_dout, reference_grads, rel_err
@@ -203,3 +203,48 @@ def test_restored_pytorch_kernels_run_again():
     counts = _counts(op)
     F.scaled_dot_product_attention(q, k, v)
     assert _counts(op) == counts
+
+
+@pytest.mark.gpu
+@NEEDS_GPU
+def test_sdpa_through_the_provider_under_torch_compile_and_a_cuda_graph(active):
+    """Compiled, SDPA's flash op is an extern call that runs tunegen at run time, gradients
+    included; a warmed-up call captured in a CUDA graph replays correctly on new inputs."""
+    q, k, v, dout = qkv_dout(2, 8, 2, 300, 300, 128, torch.bfloat16, torch.device("cuda"), seed=21)
+    q, k, v = leaves(q, k, v)
+    served = (
+        _counts("_scaled_dot_product_flash_attention")[0],
+        _counts("_scaled_dot_product_flash_attention_backward")[0],
+    )
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+        fullgraph=True,
+    )
+    out = compiled(q, k, v)
+    out.backward(dout)
+    after = (
+        _counts("_scaled_dot_product_flash_attention")[0],
+        _counts("_scaled_dot_product_flash_attention_backward")[0],
+    )
+    assert after == (served[0] + 1, served[1] + 1), "the compiled graph called tunegen's kernels"
+    forward = lambda q, k, v: attention_reference(q, k, v, causal=True, scale=128**-0.5)
+    ref, _ = forward(*(t.detach().double() for t in (q, k, v)))
+    assert rel_err(out.detach(), ref) < 1.6e-2
+    assert_grads((q.grad, k.grad, v.grad), reference_grads(forward, (q, k, v), dout), torch.bfloat16)
+    x = [t.detach().clone() for t in (q, k, v)]
+    call = lambda: F.scaled_dot_product_attention(*x, is_causal=True, enable_gqa=True)
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call()
+    for seed in (1, 2):
+        fresh = torch.Generator().manual_seed(seed)
+        for t in x:
+            t.copy_(torch.randn(t.shape, generator=fresh))
+        captured.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, _ = attention_reference(*(t.double() for t in x), causal=True, scale=128**-0.5)
+        assert rel_err(captured, ref) < 1.6e-2

@@ -1,0 +1,265 @@
+"""FlashAttention-2's Python interface (flash_attn 2.8), served by tunegen's kernels:
+
+    import tunegen.flash_attn as flash_attn          # was: import flash_attn
+    from tunegen.flash_attn import flash_attn_func   # was: from flash_attn import flash_attn_func
+
+Each function has FlashAttention's name, parameters (order and defaults), layouts, causal
+alignment (bottom-right), return values and gradients. An argument tunegen does not serve
+(dropout, sliding windows, softcap, ALiBi, rotary embeddings, cache indirections) is a ValueError
+that names it when its value asks for the feature, never ignored; the README's table says what
+each argument does here. FlashAttention-3's interface is `tunegen.flash_attn_interface`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tunegen.api import attention, attention_varlen
+from tunegen.decode import decode_attention
+from tunegen.unserved import require, served_causal
+
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
+]
+
+
+def length(t: object, dim: int) -> int | None:
+    """`t`'s size along `dim` where `t` is a tensor with that dim (else None: the checks that
+    follow name what is wrong with it)."""
+    return t.shape[dim] if isinstance(t, torch.Tensor) and -t.dim() <= dim < t.dim() else None
+
+
+def _probs(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What `return_attn_probs=True` returns without dropout: the output, the log-sum-exp and
+    FlashAttention's empty S_dmask (it holds probabilities only where dropout applies)."""
+    return out, lse, torch.empty(0, dtype=out.dtype, device=out.device)
+
+
+def flash_attn_func(
+    q,
+    k,
+    v,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """Attention over (batch, seqlen, heads, head_dim) q and k, v (fewer heads for GQA/MQA): the
+    output like q, and with `return_attn_probs` the log-sum-exp (batch, heads, seqlen_q) float32
+    and an empty S_dmask. Differentiable in q, k, v; `deterministic` makes the backward's
+    gradients the same bits on every run."""
+    require(dropout_p=not dropout_p)
+    causal = served_causal(causal, window_size, length(k, 1), softcap, alibi_slopes)
+    q_, k_, v_ = (t.transpose(1, 2) for t in (q, k, v))
+    result = attention(
+        q_,
+        k_,
+        v_,
+        causal=causal,
+        scale=softmax_scale,
+        return_lse=bool(return_attn_probs),
+        deterministic=bool(deterministic),
+    )
+    if not return_attn_probs:
+        return result.transpose(1, 2)
+    out, lse = result
+    return _probs(out.transpose(1, 2), lse)
+
+
+def flash_attn_qkvpacked_func(
+    qkv,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """`flash_attn_func` on q, k, v packed as qkv (batch, seqlen, 3, heads, head_dim)."""
+    q, k, v = qkv.unbind(dim=2)
+    return flash_attn_func(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+        return_attn_probs,
+    )  # fmt: skip
+
+
+def flash_attn_kvpacked_func(
+    q,
+    kv,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """`flash_attn_func` with k, v packed as kv (batch, seqlen_k, 2, kv_heads, head_dim)."""
+    k, v = kv.unbind(dim=2)
+    return flash_attn_func(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+        return_attn_probs,
+    )  # fmt: skip
+
+
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+):
+    """Attention over packed (total_tokens, heads, head_dim) sequences whose int32 offsets are
+    `cu_seqlens_q`/`cu_seqlens_k` (batch + 1): the output like q, and with `return_attn_probs`
+    the log-sum-exp (heads, total_q) float32 and an empty S_dmask. Differentiable in q, k, v."""
+    require(dropout_p=not dropout_p, block_table=block_table is None)
+    bound = max_seqlen_k if isinstance(max_seqlen_k, int) else None
+    causal = served_causal(causal, window_size, bound, softcap, alibi_slopes)
+    result = attention_varlen(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        causal=causal,
+        scale=softmax_scale,
+        return_lse=bool(return_attn_probs),
+        deterministic=bool(deterministic),
+    )
+    return _probs(*result) if return_attn_probs else result
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv,
+    cu_seqlens,
+    max_seqlen,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """`flash_attn_varlen_func` on q, k, v packed as qkv (total_tokens, 3, heads, head_dim)."""
+    q, k, v = qkv.unbind(dim=1)
+    return flash_attn_varlen_func(
+        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale, causal,
+        window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+    )  # fmt: skip
+
+
+def flash_attn_varlen_kvpacked_func(
+    q,
+    kv,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """`flash_attn_varlen_func` with k, v packed as kv (total_k, 2, kv_heads, head_dim)."""
+    k, v = kv.unbind(dim=1)
+    return flash_attn_varlen_func(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+        causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+    )  # fmt: skip
+
+
+def cache_lengths(cache_seqlens: object, q: torch.Tensor, k_cache: torch.Tensor, block_table: object):
+    """FlashAttention's `cache_seqlens` as the (batch,) int32 tensor tunegen takes: a tensor as
+    given, an int for every sequence, None for the whole cache (every slot, or every page of the
+    block table)."""
+    if cache_seqlens is None:
+        paged = isinstance(block_table, torch.Tensor)
+        full = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+        return torch.full((q.shape[0],), full, dtype=torch.int32, device=q.device)
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        return torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
+    return cache_seqlens
+
+
+def flash_attn_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens=None,
+    cache_batch_idx=None,
+    cache_leftpad=None,
+    block_table=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    rotary_interleaved=True,
+    alibi_slopes=None,
+    num_splits=0,
+    return_softmax_lse=False,
+):
+    """Attention of q (batch, seqlen_q, heads, head_dim) over a KV cache, contiguous (batch,
+    slots, kv_heads, head_dim) or paged (pages, page_size, kv_heads, head_dim) with
+    `block_table`; `k`, `v` (batch, new_tokens, kv_heads, head_dim) are written into the cache in
+    place at `cache_seqlens` first. Returns the output like q, and with `return_softmax_lse` the
+    log-sum-exp (batch, heads, seqlen_q) float32. Not differentiable, as FlashAttention's.
+    `rotary_interleaved` applies to the rotary embedding, which tunegen does not serve."""
+    require(
+        rotary_cos=rotary_cos is None,
+        rotary_sin=rotary_sin is None,
+        cache_batch_idx=cache_batch_idx is None,
+        cache_leftpad=cache_leftpad is None,
+        num_splits=num_splits <= 1,
+    )
+    if cache_seqlens is None and k is not None:
+        raise ValueError("cache_seqlens: required where k and v are appended (where to write them)")
+    lengths = cache_lengths(cache_seqlens, q, k_cache, block_table)
+    causal = served_causal(causal, window_size, None, softcap, alibi_slopes)
+    return decode_attention(
+        q,
+        k_cache,
+        v_cache,
+        lengths,
+        k=k,
+        v=v,
+        block_table=block_table,
+        causal=causal,
+        scale=softmax_scale,
+        return_lse=bool(return_softmax_lse),
+    )
