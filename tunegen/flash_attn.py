@@ -35,6 +35,18 @@ def length(t: object, dim: int) -> int | None:
     return t.shape[dim] if isinstance(t, torch.Tensor) and -t.dim() <= dim < t.dim() else None
 
 
+def dense(q, k, v, causal: bool, scale: object, return_lse: object, deterministic: object, **fp8: object):
+    """`tunegen.attention` on FlashAttention's (batch, seqlen, heads, head_dim) tensors: the
+    output in that layout, and the log-sum-exp (batch, heads, seqlen_q) if `return_lse`."""
+    q_, k_, v_ = (t.transpose(1, 2) for t in (q, k, v))
+    flags = {"return_lse": bool(return_lse), "deterministic": bool(deterministic)}
+    result = attention(q_, k_, v_, causal=causal, scale=scale, **flags, **fp8)
+    if not return_lse:
+        return result.transpose(1, 2)
+    out, lse = result
+    return out.transpose(1, 2), lse
+
+
 def _probs(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What `return_attn_probs=True` returns without dropout: the output, the log-sum-exp and
     FlashAttention's empty S_dmask (it holds probabilities only where dropout applies)."""
@@ -60,20 +72,8 @@ def flash_attn_func(
     gradients the same bits on every run."""
     require(dropout_p=not dropout_p)
     causal = served_causal(causal, window_size, length(k, 1), softcap, alibi_slopes)
-    q_, k_, v_ = (t.transpose(1, 2) for t in (q, k, v))
-    result = attention(
-        q_,
-        k_,
-        v_,
-        causal=causal,
-        scale=softmax_scale,
-        return_lse=bool(return_attn_probs),
-        deterministic=bool(deterministic),
-    )
-    if not return_attn_probs:
-        return result.transpose(1, 2)
-    out, lse = result
-    return _probs(out.transpose(1, 2), lse)
+    result = dense(q, k, v, causal, softmax_scale, return_attn_probs, deterministic)
+    return _probs(*result) if return_attn_probs else result
 
 
 def flash_attn_qkvpacked_func(

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from tunegen.api import attention, attention_varlen
+from tunegen.api import attention_varlen
 from tunegen.decode import decode_attention
-from tunegen.flash_attn import cache_lengths, length
+from tunegen.flash_attn import cache_lengths, dense, length
 from tunegen.unserved import require, served_causal
 
 __all__ = [
@@ -72,21 +72,7 @@ def flash_attn_func(
     _hints(num_splits, pack_gqa, sm_margin)
     causal = served_causal(causal, window_size, length(k, 1), softcap)
     fp8 = _fp8(q, (q_descale, k_descale, v_descale))
-    q_, k_, v_ = (t.transpose(1, 2) for t in (q, k, v))
-    result = attention(
-        q_,
-        k_,
-        v_,
-        causal=causal,
-        scale=softmax_scale,
-        return_lse=bool(return_attn_probs),
-        deterministic=bool(deterministic),
-        **fp8,
-    )
-    if not return_attn_probs:
-        return result.transpose(1, 2)
-    out, lse = result
-    return out.transpose(1, 2), lse
+    return dense(q, k, v, causal, softmax_scale, return_attn_probs, deterministic, **fp8)
 
 
 def flash_attn_qkvpacked_func(
