@@ -88,6 +88,21 @@ def test_wheel_installs_and_runs_elsewhere(tmp_path):
         assert not Path(purelib, top).exists(), f"{top} must not pollute site-packages"
 
 
+def test_every_package_folder_is_in_the_wheel():
+    """pyproject.toml names its packages one by one: a new package folder must be named there too,
+    or an installed tunegen lacks it while a clone has it."""
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {v: k for k, v in config["package-dir"].items()}
+    found = {
+        ".".join([package, *init.parent.relative_to(ROOT / folder).parts])
+        for folder, package in folders.items()
+        for init in (ROOT / folder).glob("**/__init__.py")
+    }
+    assert found - set(config["packages"]) == set(), "package folders missing from pyproject.toml"
+
+
 def test_a_clone_runs_as_installed_without_installing(tmp_path):
     """The repository's folders on PYTHONPATH, nothing of tunegen installed (python -S skips the
     editable install's mapping): the rooms that install under tunegen.* are found in the clone."""

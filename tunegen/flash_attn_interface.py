@@ -20,7 +20,7 @@ import torch
 
 from tunegen.api import attention_varlen
 from tunegen.decode import decode_attention
-from tunegen.flash_attn import cache_lengths, dense, length
+from tunegen.flash_attn.flash_attn_interface import cache_lengths, dense, length
 from tunegen.unserved import require, served_causal
 
 __all__ = [

@@ -69,6 +69,12 @@ def test_signatures_are_flashattentions(function):
     assert all(p.kind == p.POSITIONAL_OR_KEYWORD for p in parameters)
 
 
+def test_flash_attns_own_module_path_holds_the_same_functions():
+    import tunegen.flash_attn.flash_attn_interface as own
+
+    assert fa2.__all__ and all(getattr(own, name) is getattr(fa2, name) for name in fa2.__all__)
+
+
 def _bshd(*tensors):
     return [t.transpose(1, 2).contiguous() for t in tensors]
 

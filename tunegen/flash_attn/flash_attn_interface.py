@@ -1,14 +1,5 @@
-"""FlashAttention-2's Python interface (flash_attn 2.8), served by tunegen's kernels:
-
-    import tunegen.flash_attn as flash_attn          # was: import flash_attn
-    from tunegen.flash_attn import flash_attn_func   # was: from flash_attn import flash_attn_func
-
-Each function has FlashAttention's name, parameters (order and defaults), layouts, causal
-alignment (bottom-right), return values and gradients. An argument tunegen does not serve
-(dropout, sliding windows, softcap, ALiBi, rotary embeddings, cache indirections) is a ValueError
-that names it when its value asks for the feature, never ignored; the README's table says what
-each argument does here. FlashAttention-3's interface is `tunegen.flash_attn_interface`.
-"""
+"""FlashAttention-2's functions (flash_attn 2.8's `flash_attn.flash_attn_interface`) on tunegen's
+kernels; `tunegen.flash_attn` exports them as the `flash_attn` package does (see there)."""
 
 from __future__ import annotations
 
@@ -17,16 +8,6 @@ import torch
 from tunegen.api import attention, attention_varlen
 from tunegen.decode import decode_attention
 from tunegen.unserved import require, served_causal
-
-__all__ = [
-    "flash_attn_func",
-    "flash_attn_kvpacked_func",
-    "flash_attn_qkvpacked_func",
-    "flash_attn_varlen_func",
-    "flash_attn_varlen_kvpacked_func",
-    "flash_attn_varlen_qkvpacked_func",
-    "flash_attn_with_kvcache",
-]
 
 
 def length(t: object, dim: int) -> int | None:
