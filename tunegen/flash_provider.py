@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import inspect
 import os
 import threading
 import warnings
@@ -250,11 +251,21 @@ CPU_OPS: dict[str, Callable[..., Any]] = {
 
 def _kernel(op: str, serve: Callable[..., Any], original: Any | None) -> Callable[..., Any]:
     """The kernel registered for `op`: tunegen's `serve`, or where it refuses, the kernel that was
-    there before (PyTorch's own), counted either way."""
+    there before (PyTorch's own), counted either way. A keyword argument `serve` does not know (a
+    later torch's) is served where it asks for nothing (None), else refused."""
+    parameters = inspect.signature(serve).parameters.values()
+    # None: `serve` passes its keywords on to a function that takes them by name.
+    known = None if any(p.kind == p.VAR_KEYWORD for p in parameters) else {p.name for p in parameters}
 
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
         try:
-            result = serve(*args, **kwargs)
+            named = kwargs
+            if known is not None:
+                unknown = [name for name, value in kwargs.items() if name not in known and value is not None]
+                if unknown:
+                    raise Unserved(f"{unknown[0]}: an argument of aten::{op} this tunegen does not know")
+                named = {name: value for name, value in kwargs.items() if name in known}
+            result = serve(*args, **named)
         except Unserved as unserved:
             reason = str(unserved)
             _count(op, reason)

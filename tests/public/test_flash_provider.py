@@ -248,3 +248,19 @@ def test_sdpa_through_the_provider_under_torch_compile_and_a_cuda_graph(active):
         torch.cuda.synchronize()
         ref, _ = attention_reference(*(t.double() for t in x), causal=True, scale=128**-0.5)
         assert rel_err(captured, ref) < 1.6e-2
+
+
+@NEEDS_INTERPRETER
+def test_a_keyword_argument_of_a_later_torch_is_served_only_where_it_asks_for_nothing():
+    from tunegen import flash_provider
+
+    kernel = flash_provider._kernel("_scaled_dot_product_flash_attention", flash_provider.sdpa_forward, None)
+    q, k, v, _ = qkv_dout(1, 2, 2, 9, 9, 16, torch.float32, torch.device("cpu"), seed=7)
+    out, lse, *_ = kernel(None, q, k, v, 0.0, True, False, scale=0.25, new_feature=None)
+    ref, ref_lse = attention_reference(q.double(), k.double(), v.double(), causal=True, scale=0.25)
+    assert rel_err(out, ref) < 1e-5
+    assert_lse(lse, ref_lse, torch.float32)
+    with pytest.raises(
+        RuntimeError, match="new_feature: an argument of aten::_scaled_dot_product_flash_attention"
+    ):
+        kernel(None, q, k, v, 0.0, True, False, new_feature=3)
