@@ -101,3 +101,26 @@ def test_sdpa_through_the_flash_provider_matches_eager_with_gradients(model):
     assert abs(float(loss - ref_loss)) < 1e-5 * abs(float(ref_loss))
     for name, g in got.items():
         assert float((g - ref[name]).norm()) <= 1e-4 * float(ref[name].norm()) + 1e-7, name
+
+
+@pytest.mark.skipif(
+    not hasattr(torch.nn.attention, "register_flash_attention_impl"), reason="no flash-attention registry"
+)
+def test_cached_generation_through_the_flash_provider_matches_eager(model):
+    """Greedy decoding with attn_implementation="sdpa" and tunegen active: the prompt and every
+    cached step (one query over the cache, not causal to SDPA) run tunegen and pick eager's tokens."""
+    from torch.nn.attention import activate_flash_attention_impl, restore_flash_attention_impl
+
+    ids = torch.randint(0, 128, (1, 19), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    model.set_attn_implementation("eager")
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    model.set_attn_implementation("sdpa")
+    served = tunegen.explain()["served"].get(OPS[0], 0)
+    activate_flash_attention_impl("tunegen")
+    try:
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    finally:
+        restore_flash_attention_impl()
+    assert torch.equal(out, ref)
+    assert tunegen.explain()["served"][OPS[0]] >= served + model.config.num_hidden_layers * 5
