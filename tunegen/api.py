@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from tunegen import eager, flash_provider, fp8_attention, ops
-from tunegen.backends import wants_grad
+from tunegen.backends import capturing, wants_grad
 from tunegen.backward import AttentionFunction
 from tunegen.calls.prefill import PrefillCall
 from tunegen.kernels import dispatch, launcher
@@ -211,9 +211,6 @@ def attention_varlen(
     """
     grad = wants_grad(q, k, v)
     compiling = torch.compiler.is_compiling()
-    capturing = (
-        isinstance(q, torch.Tensor) and q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    )
     sizes = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     call = PrefillCall.packed(
         q,
@@ -224,7 +221,7 @@ def attention_varlen(
         scale=scale,
         return_lse=bool(return_lse) or grad,
         strict=strict,
-        read_lengths=not (compiling or capturing),
+        read_lengths=not (compiling or capturing(q)),
         deterministic=deterministic,
     )
     return _serve(call, bool(return_lse), grad, None)

@@ -43,3 +43,10 @@ def wants_grad(q: object, k: object, v: object) -> bool:
         return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     except AttributeError:
         return False
+
+
+def capturing(t: object) -> bool:
+    """Whether `t` is a CUDA tensor and a CUDA graph is being captured on the current stream (where
+    a call must not read anything back to the host)."""
+    cuda = isinstance(t, torch.Tensor) and t.device.type == "cuda"
+    return cuda and torch.cuda.is_current_stream_capturing()

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 
 from tunegen import checks
+from tunegen.backends import capturing
 from tunegen.calls.decode import DecodeCall, unit_descales
 from tunegen.kernels import dispatch, launcher
 from tunegen.kernels.gpu import gpu_of
@@ -76,9 +77,6 @@ def decode_attention(
         key = fast = None
     if fast is not None and not checking(check):
         return fast(q, k_cache, v_cache, cache_seqlens, block_table, k, v, k_descale, v_descale, scale)
-    capturing = (
-        isinstance(q, torch.Tensor) and q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    )
     call = DecodeCall.checked(
         q,
         k_cache,
@@ -93,7 +91,7 @@ def decode_attention(
         strict=strict,
         k_descale=k_descale,
         v_descale=v_descale,
-        read_lengths=checking(check) and not capturing,
+        read_lengths=checking(check) and not capturing(q),
     )
     if call.backend() == "torch":
         out, lse = call.fallback()

@@ -15,10 +15,14 @@ from tunegen.kernels.gpu import gpu_of
 from tunegen.kernels.launch_args import PrefillArgs
 
 
-def run(call: PrefillCall, key: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def run(
+    call: PrefillCall, key: tuple | None = None, out: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The output and log-sum-exp (None unless `call.return_lse`) of `call`: the kernel dispatched
     for its Problem, or where no Triton kernel runs, the PyTorch reference. On CUDA, with a `key`
-    (`attention`'s launch key), later calls of that key take the fast path.
+    (`attention`'s launch key), later calls of that key take the fast path. With `out` (q's shape
+    and dtype, any strides with a unit last one; never with a key, whose fast path allocates), the
+    kernel writes the output there.
 
     The key holds everything the checks, the Problem and the launch depend on (shapes, strides,
     dtypes, devices, 16-byte alignment, flags: launcher.key_of of q, k, v, then causal and
@@ -26,9 +30,11 @@ def run(call: PrefillCall, key: tuple | None = None) -> tuple[torch.Tensor, torc
     lookup to the compiled kernel's launch."""
     backend = call.backend()
     if backend == "torch":
-        out, lse = call.fallback()
-        return out, lse if call.return_lse else None
-    out, lse = call.outputs()
+        result, lse = call.fallback()
+        if out is None:
+            return result, lse if call.return_lse else None
+        return out.copy_(result), lse if call.return_lse else None
+    out, lse = call.outputs(out)
     kernel = dispatch.kernel_for(call.problem(out), gpu_of(call.q.device))
     args = call.args(out, lse)
     if key is None or backend != "cuda":

@@ -20,7 +20,14 @@ import torch
 
 from tunegen.api import attention_varlen
 from tunegen.decode import decode_attention
-from tunegen.flash_attn.flash_attn_interface import cache_lengths, dense, length
+from tunegen.flash_attn.flash_attn_interface import (
+    bound_of,
+    cache_lengths,
+    capacity,
+    dense,
+    flash_lse,
+    length,
+)
 from tunegen.unserved import require, served_causal
 
 __all__ = [
@@ -95,7 +102,12 @@ def flash_attn_qkvpacked_func(
     if num_heads_q is None:
         q, k, v = qkv.unbind(dim=2)
     else:
-        kv_heads = (qkv.shape[2] - num_heads_q) // 2
+        kv_heads, odd = divmod(qkv.shape[2] - num_heads_q, 2)
+        if odd or kv_heads < 1:
+            raise ValueError(
+                f"num_heads_q: qkv's {qkv.shape[2]} heads must be num_heads_q ({num_heads_q}) plus twice "
+                "the key/value heads"
+            )
         q, k, v = qkv.split([num_heads_q, kv_heads, kv_heads], dim=2)
     return flash_attn_func(
         q, k, v, softmax_scale, causal, None, q_descale, k_descale, v_descale, window_size,
@@ -141,9 +153,9 @@ def flash_attn_varlen_func(
         attention_chunk=not attention_chunk,
     )
     _hints(num_splits, pack_gqa, sm_margin)
-    bound = max_seqlen_k if isinstance(max_seqlen_k, int) else None
+    bound = bound_of(max_seqlen_k)
     causal = served_causal(causal, window_size, bound, softcap)
-    return attention_varlen(
+    result = attention_varlen(
         q,
         k,
         v,
@@ -156,6 +168,10 @@ def flash_attn_varlen_func(
         return_lse=bool(return_attn_probs),
         deterministic=bool(deterministic),
     )
+    if not return_attn_probs:
+        return result
+    out, lse = result
+    return out, flash_lse(lse)
 
 
 def flash_attn_with_kvcache(
@@ -215,7 +231,7 @@ def flash_attn_with_kvcache(
     if cache_seqlens is None and k is not None:
         raise ValueError("cache_seqlens: required where k and v are appended (where to write them)")
     lengths = cache_lengths(cache_seqlens, q, k_cache, page_table)
-    causal = served_causal(causal, window_size, None, softcap)
+    causal = served_causal(causal, window_size, capacity(k_cache, page_table), softcap)
     result = decode_attention(
         q,
         k_cache,
@@ -234,4 +250,4 @@ def flash_attn_with_kvcache(
         return result
     out, lse = result
     empty = out.new_empty(0, dtype=torch.float32)
-    return out, lse, empty, empty
+    return out, flash_lse(lse, inplace=True), empty, empty

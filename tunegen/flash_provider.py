@@ -32,9 +32,11 @@ from typing import Any
 import torch
 
 from tunegen import backward, eager
-from tunegen.backends import FallbackError
+from tunegen.backends import FallbackError, capturing
 from tunegen.calls.backward import BackwardCall
 from tunegen.calls.prefill import PrefillCall
+from tunegen.decode import checking
+from tunegen.flash_attn.flash_attn_interface import flash_lse
 from tunegen.kernels import dispatch, launcher
 from tunegen.kernels.gpu import interpreting
 from tunegen.unserved import Unserved, causal_of, require
@@ -103,10 +105,6 @@ def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scal
     return eager.run(call, key)
 
 
-def _capturing(q: torch.Tensor) -> bool:
-    return q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
 def _auxiliary(query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The rng state, the unused tensor and the debug mask flash ops return, without dropout."""
     device = query.device
@@ -117,12 +115,27 @@ def _auxiliary(query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     )
 
 
+def _forward_call(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, causal, scale) -> PrefillCall:
+    """The prefill call of a flash op's (batch, seqlen, heads, head_dim) or packed operands, or
+    Unserved. Packed offsets are read back to be checked only with TUNEGEN_CHECK=1 (PyTorch's own
+    kernel reads none, and a read is a synchronization)."""
+    if cum_seq_q is None:
+        q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+        return _checked(PrefillCall.dense, q, k, v, causal=causal, scale=scale, return_lse=True)
+    require(cum_seq_k=cum_seq_k is not None)
+    sizes = (cum_seq_q, cum_seq_k, max_q, max_k)
+    flags = {"causal": causal, "scale": scale, "return_lse": True}
+    read = checking(None) and not capturing(query)
+    return _checked(PrefillCall.packed, query, key, value, *sizes, read_lengths=read, **flags)
+
+
 def flash_forward(
     query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask,
     *, scale=None, window_size_left=None, window_size_right=None, seqused_k=None, alibi_slopes=None,
-    block_table=None, num_splits=None,
+    block_table=None, num_splits=None, out=None,
 ):  # fmt: skip
-    """aten::_flash_attention_forward: (batch, seqlen, heads, head_dim), or packed with offsets."""
+    """aten::_flash_attention_forward: (batch, seqlen, heads, head_dim), or packed with offsets
+    (with `out`, written there). A row that sees no key gets FlashAttention's log-sum-exp, +inf."""
     require(
         dropout_p=dropout_p == 0,
         return_debug_mask=not return_debug_mask,
@@ -132,44 +145,31 @@ def flash_forward(
         num_splits=num_splits is None or num_splits <= 1,
     )
     causal = _causal(is_causal, window_size_left, window_size_right, max_k)
-    if cum_seq_q is None:
-        out, lse = _dense(*(t.transpose(1, 2) for t in (query, key, value)), causal, scale)
-        out = out.transpose(1, 2)
+    if cum_seq_q is None and out is None:
+        result, lse = _dense(*(t.transpose(1, 2) for t in (query, key, value)), causal, scale)
+        result = result.transpose(1, 2)
     else:
-        require(cum_seq_k=cum_seq_k is not None)
-        sizes = (cum_seq_q, cum_seq_k, max_q, max_k)
-        call = _checked(
-            PrefillCall.packed,
-            query,
-            key,
-            value,
-            *sizes,
-            causal=causal,
-            scale=scale,
-            return_lse=True,
-            read_lengths=not _capturing(query),
-        )
-        out, lse = eager.run(call)
-    return (out, lse, *_auxiliary(query))
+        call = _forward_call(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, causal, scale)
+        target = out if out is None or cum_seq_q is not None else out.transpose(1, 2)
+        result, lse = eager.run(call, out=target)
+        result = result if cum_seq_q is not None else result.transpose(1, 2)
+    if cum_seq_q is not None or (causal and query.shape[1] > key.shape[1]):
+        flash_lse(lse, inplace=True)
+    return (result, lse, *_auxiliary(query))
 
 
-def flash_forward_into(out, query, key, value, *args, **kwargs):
+def flash_forward_into(
+    out, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask,
+    *, scale=None, window_size_left=None, window_size_right=None, seqused_k=None, alibi_slopes=None,
+    block_table=None, num_splits=None,
+):  # fmt: skip
     """aten::_flash_attention_forward_no_dropout_inplace: the forward, written into `out`."""
-    result, lse, *_ = flash_forward(query, key, value, *args, **kwargs)
-    out.copy_(result)
-    return lse
-
-
-def _prefill_call(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, causal, scale) -> PrefillCall:
-    """The forward call whose backward a flash backward op asks for (checked again: the forward
-    may have been PyTorch's)."""
-    if cum_seq_q is None:
-        q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-        return _checked(PrefillCall.dense, q, k, v, causal=causal, scale=scale, return_lse=True)
-    sizes = (cum_seq_q, cum_seq_k, max_q, max_k)
-    return _checked(
-        PrefillCall.packed, query, key, value, *sizes, causal=causal, scale=scale, return_lse=True
-    )
+    return flash_forward(
+        query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask,
+        scale=scale, window_size_left=window_size_left, window_size_right=window_size_right,
+        seqused_k=seqused_k, alibi_slopes=alibi_slopes, block_table=block_table, num_splits=num_splits,
+        out=out,
+    )[1]  # fmt: skip
 
 
 def _gradients(forward: PrefillCall, out, lse, grad_out) -> tuple[torch.Tensor, ...]:
@@ -187,7 +187,7 @@ def flash_backward(
     """aten::_flash_attention_backward: dq, dk, dv in the forward's layout."""
     require(dropout_p=dropout_p == 0)
     causal = _causal(is_causal, window_size_left, window_size_right, max_k)
-    forward = _prefill_call(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, causal, scale)
+    forward = _forward_call(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, causal, scale)
     if cum_seq_q is not None:
         return _gradients(forward, out, logsumexp, grad_out)
     grads = _gradients(forward, out.transpose(1, 2), logsumexp, grad_out.transpose(1, 2))
@@ -202,38 +202,48 @@ def sdpa_forward(query, key, value, dropout_p=0.0, is_causal=False, return_debug
     return out, lse, None, None, query.shape[2], key.shape[2], rng, offset, debug
 
 
+def _sdpa_gradients(grad_out, query, key, value, out, logsumexp, is_causal, scale):
+    """dq, dk, dv of an SDPA flash forward, (batch, heads, seqlen, head_dim)."""
+    forward = _checked(PrefillCall.dense, query, key, value, causal=is_causal, scale=scale, return_lse=True)
+    return _gradients(forward, out, logsumexp, grad_out)
+
+
 def sdpa_backward(
     grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
     is_causal, philox_seed, philox_offset, *, scale=None,
 ):  # fmt: skip
     """aten::_scaled_dot_product_flash_attention_backward: dq, dk, dv."""
     require(dropout_p=dropout_p == 0)
-    forward = _checked(PrefillCall.dense, query, key, value, causal=is_causal, scale=scale, return_lse=True)
-    return _gradients(forward, out, logsumexp, grad_out)
+    return _sdpa_gradients(grad_out, query, key, value, out, logsumexp, is_causal, scale)
 
 
-def _top_left_ok(is_causal: bool, query: torch.Tensor, key: torch.Tensor) -> bool:
-    """SDPA's causal mask is aligned top-left, tunegen's bottom-right: the same when the lengths are."""
-    return not is_causal or query.shape[2] == key.shape[2]
+def _cpu_checks(query, key, dropout_p, is_causal, attn_mask) -> None:
+    """What CPU SDPA's flash op may ask that tunegen does not serve: dropout, a mask, and a causal
+    mask of unequal lengths (SDPA aligns it top-left, tunegen bottom-right)."""
+    top_left_ok = not is_causal or query.shape[2] == key.shape[2]
+    require(dropout_p=dropout_p == 0, attn_mask=attn_mask is None, is_causal=top_left_ok)
+
+
+def _laid_out(t: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
+    """`t` copied into the memory order PyTorch's CPU flash op declares for its outputs (its meta
+    function's), where compiled code may rely on their strides."""
+    return torch.empty_permuted(t.shape, order, dtype=t.dtype, device=t.device).copy_(t)
 
 
 def cpu_sdpa_forward(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
     """aten::_scaled_dot_product_flash_attention_for_cpu (interpreter only)."""
-    require(
-        dropout_p=dropout_p == 0, attn_mask=attn_mask is None, is_causal=_top_left_ok(is_causal, query, key)
-    )
-    return _dense(query, key, value, bool(is_causal), scale)
+    _cpu_checks(query, key, dropout_p, is_causal, attn_mask)
+    out, lse = _dense(query, key, value, bool(is_causal), scale)
+    return out, _laid_out(lse, (0, 2, 1))
 
 
 def cpu_sdpa_backward(
     grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *, attn_mask=None, scale=None
 ):
     """aten::_scaled_dot_product_flash_attention_for_cpu_backward (interpreter only)."""
-    require(
-        dropout_p=dropout_p == 0, attn_mask=attn_mask is None, is_causal=_top_left_ok(is_causal, query, key)
-    )
-    forward = _checked(PrefillCall.dense, query, key, value, causal=is_causal, scale=scale, return_lse=True)
-    return _gradients(forward, out, logsumexp, grad_out)
+    _cpu_checks(query, key, dropout_p, is_causal, attn_mask)
+    grads = _sdpa_gradients(grad_out, query, key, value, out, logsumexp, is_causal, scale)
+    return tuple(_laid_out(g, (0, 2, 1, 3)) for g in grads)
 
 
 FLASH_OPS: dict[str, Callable[..., Any]] = {
@@ -282,17 +292,21 @@ def _kernel(op: str, serve: Callable[..., Any], original: Any | None) -> Callabl
 
 @dataclasses.dataclass
 class Handle:
-    """What activation changed, to be undone by `remove` (the registry calls it on restore)."""
+    """What activation changed, to be undone by `remove` (the registry calls it on restore): the
+    libraries holding tunegen's kernels, and SDPA's priority order before and after."""
 
     libraries: list[torch.library.Library]
-    priority: list[int] | None
+    priority: tuple[list[int], list[int]] | None = None
 
     def remove(self) -> None:
         for library in self.libraries:
             library._destroy()
         self.libraries = []
         if self.priority is not None:
-            torch._C._set_sdp_priority_order(self.priority)
+            before, ours = self.priority
+            # Changed since (another sdpa_kernel(set_priority=True) ended, say): that order stands.
+            if list(torch._C._get_sdp_priority_order()) == ours:
+                torch._C._set_sdp_priority_order(before)
             self.priority = None
 
 
@@ -304,26 +318,32 @@ def _original(op: str, key: str) -> Any | None:
 
 
 def activate() -> Handle:
-    """Register tunegen's kernels for the flash ops (what `activate_flash_attention_impl` calls)."""
+    """Register tunegen's kernels for the flash ops (what `activate_flash_attention_impl` calls);
+    if that fails midway, what was registered is removed again."""
     keys = {"CUDA": FLASH_OPS}
     if interpreting():
         keys["CPU"] = {**FLASH_OPS, **CPU_OPS}
-    libraries = []
-    with warnings.catch_warnings():
-        # Replacing a kernel is what a provider does; PyTorch warns of it once per process.
-        warnings.filterwarnings("ignore", message="Warning only once for all operators")
-        for key, ops in keys.items():
-            library = torch.library.Library("aten", "IMPL", key)
-            for op, serve in ops.items():
-                if hasattr(torch.ops.aten, op):
-                    library.impl(op, _kernel(op, serve, _original(op, key)), key, with_keyset=True)
-            libraries.append(library)
-    priority = None
+    handle = Handle([])
+    try:
+        with warnings.catch_warnings():
+            # Replacing a kernel is what a provider does; PyTorch warns of it once per process.
+            warnings.filterwarnings("ignore", message="Warning only once for all operators")
+            for key, ops in keys.items():
+                library = torch.library.Library("aten", "IMPL", key)
+                handle.libraries.append(library)
+                for op, serve in ops.items():
+                    if hasattr(torch.ops.aten, op):
+                        library.impl(op, _kernel(op, serve, _original(op, key)), key, with_keyset=True)
+    except BaseException:
+        handle.remove()
+        raise
     if hasattr(torch._C, "_get_sdp_priority_order"):
-        priority = list(torch._C._get_sdp_priority_order())
+        before = list(torch._C._get_sdp_priority_order())
         flash = int(torch.nn.attention.SDPBackend.FLASH_ATTENTION)
-        torch._C._set_sdp_priority_order([flash, *(b for b in priority if b != flash)])
-    return Handle(libraries, priority)
+        ours = [flash, *(b for b in before if b != flash)]
+        torch._C._set_sdp_priority_order(ours)
+        handle.priority = (before, list(torch._C._get_sdp_priority_order()))
+    return handle
 
 
 def register() -> bool:

@@ -10,12 +10,9 @@ from __future__ import annotations
 import torch
 
 from tunegen import backward, eager
+from tunegen.backends import capturing
 from tunegen.calls.backward import BackwardCall
 from tunegen.calls.prefill import PrefillCall
-
-
-def _capturing(q: torch.Tensor) -> bool:
-    return q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 @torch.library.custom_op("tunegen::attention", mutates_args=())
@@ -64,7 +61,7 @@ def attention_varlen_op(
         causal=causal,
         scale=scale,
         return_lse=return_lse,
-        read_lengths=not _capturing(q),
+        read_lengths=not capturing(q),
     )
     out, lse = eager.run(call)
     return out, lse if lse is not None else q.new_empty(0, dtype=torch.float32)

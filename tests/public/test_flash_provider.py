@@ -17,6 +17,7 @@ from conftest import NEEDS_GPU, NEEDS_INTERPRETER
 import tunegen
 from helpers import assert_grads, assert_lse, leaves, packed, qkv_dout, reference_grads, rel_err
 from tunegen.backends import FallbackError
+from tunegen.flash_attn.flash_attn_interface import flash_lse
 from tunegen.kernels.reference import attention_reference, attention_varlen_reference
 
 attention = pytest.importorskip("torch.nn.attention")
@@ -117,16 +118,17 @@ def test_varlen_attn_runs_tunegen_forward_and_backward(device, active, causal):
     q, k, v = leaves(q, k, v)
     extra = {"enable_gqa": True} if gqa else {}
     window = (-1, 0) if causal else (-1, -1)
-    served = _counts("_flash_attention_forward")[0]
+    served = _counts("_flash_attention_forward")[0], _counts("_flash_attention_backward")[0]
     out, lse = varlen_attn(
         q, k, v, cu_q, cu_k, 31, 30, window_size=window, return_aux=_lse_request(), **extra
     )
     out.backward(dout)
-    assert _counts("_flash_attention_forward")[0] == served + 1
+    after = _counts("_flash_attention_forward")[0], _counts("_flash_attention_backward")[0]
+    assert after == (served[0] + 1, served[1] + 1), "tunegen ran forward and backward"
     forward = lambda q, k, v: attention_varlen_reference(q, k, v, cu_q, cu_k, causal=causal, scale=d**-0.5)
     ref, ref_lse = forward(*(t.detach().double() for t in (q, k, v)))
     assert rel_err(out.detach(), ref) < 2e-3
-    assert_lse(lse.detach(), ref_lse, dtype)
+    assert_lse(lse.detach(), flash_lse(ref_lse), dtype)  # FlashAttention's +inf where no key is seen
     assert_grads((q.grad, k.grad, v.grad), reference_grads(forward, (q, k, v), dout), dtype)
 
 
@@ -141,7 +143,9 @@ def test_the_flash_op_in_its_own_layout_and_in_place(device, active):
     varlen_attn_out calls) writing every element of an output poisoned with NaN."""
     q, k, v, _ = qkv_dout(2, 4, 2, 29, 29, 32, torch.float16, device, seed=11)
     q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    served = _counts("_flash_attention_forward")[0]
     out, lse, *_ = torch.ops.aten._flash_attention_forward(q, k, v, None, None, 29, 29, 0.0, True, False)
+    assert _counts("_flash_attention_forward")[0] == served + 1
     ref, ref_lse = attention_reference(
         *(t.transpose(1, 2).double() for t in (q, k, v)), causal=True, scale=32**-0.5
     )
@@ -149,12 +153,27 @@ def test_the_flash_op_in_its_own_layout_and_in_place(device, active):
     assert_lse(lse, ref_lse, torch.float16)
     if not hasattr(torch.ops.aten, "_flash_attention_forward_no_dropout_inplace"):
         return
+    op = "_flash_attention_forward_no_dropout_inplace"
+    served = _counts(op)[0]
     poisoned = torch.full_like(q, float("nan"))
     lse = torch.ops.aten._flash_attention_forward_no_dropout_inplace(
         poisoned, q, k, v, None, None, 29, 29, 0.0, True, False
     )
+    assert _counts(op)[0] == served + 1
     assert rel_err(poisoned.transpose(1, 2), ref) < 2e-3
     assert_lse(lse, ref_lse, torch.float16)
+    packed_q, packed_k, packed_v, cu_q, cu_k = packed(
+        [5, 0, 14], [9, 3, 14], 4, 2, 32, torch.float16, device, 12
+    )
+    poisoned = torch.full_like(packed_q, float("nan"))
+    lse = torch.ops.aten._flash_attention_forward_no_dropout_inplace(
+        poisoned, packed_q, packed_k, packed_v, cu_q, cu_k, 14, 14, 0.0, False, False, window_size_right=0
+    )
+    ref, ref_lse = attention_varlen_reference(
+        *(t.double() for t in (packed_q, packed_k, packed_v)), cu_q, cu_k, causal=True, scale=32**-0.5
+    )
+    assert rel_err(poisoned, ref) < 2e-3, "packed, causal by FlashAttention's window (-1, 0)"
+    assert_lse(lse, flash_lse(ref_lse), torch.float16)
 
 
 @NEEDS_INTERPRETER
@@ -237,8 +256,10 @@ def test_sdpa_through_the_provider_under_torch_compile_and_a_cuda_graph(active):
     call()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
+    served = _counts("_scaled_dot_product_flash_attention")[0]
     with torch.cuda.graph(graph):
         captured = call()
+    assert _counts("_scaled_dot_product_flash_attention")[0] == served + 1, "the captured call is tunegen's"
     for seed in (1, 2):
         fresh = torch.Generator().manual_seed(seed)
         for t in x:
@@ -264,3 +285,45 @@ def test_a_keyword_argument_of_a_later_torch_is_served_only_where_it_asks_for_no
         RuntimeError, match="new_feature: an argument of aten::_scaled_dot_product_flash_attention"
     ):
         kernel(None, q, k, v, 0.0, True, False, new_feature=3)
+    op = "_flash_attention_forward_no_dropout_inplace"
+    into = flash_provider._kernel(op, flash_provider.flash_forward_into, None)
+    bshd = [t.transpose(1, 2).contiguous() for t in (q, k, v)]
+    with pytest.raises(RuntimeError, match=f"new_feature: an argument of aten::{op}"):
+        into(None, torch.empty_like(bshd[0]), *bshd, None, None, 9, 9, 0.0, True, False, new_feature=3)
+
+
+def test_restoring_keeps_a_priority_order_set_since():
+    """An sdpa_kernel(set_priority=True) entered before activation and left while active restored
+    its own order: restoring tunegen keeps that order rather than an older one."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    default = list(torch._C._get_sdp_priority_order())
+    order = [SDPBackend.MATH, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION]
+    with sdpa_kernel(order, set_priority=True):
+        attention.activate_flash_attention_impl("tunegen")
+    attention.restore_flash_attention_impl()
+    assert list(torch._C._get_sdp_priority_order()) == default
+
+
+@NEEDS_INTERPRETER
+def test_cpu_outputs_take_the_layout_pytorchs_cpu_op_declares():
+    """Compiled code may rely on the strides the op's meta function declares: the log-sum-exp
+    (batch, seqlen, heads) in memory, the gradients (batch, seqlen, heads, head_dim)."""
+    q, k, v, dout = qkv_dout(2, 4, 4, 11, 11, 16, torch.float32, torch.device("cpu"), seed=8)
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+    def strides():
+        out, lse = op(q, k, v, 0.0, True)
+        grads = backward(dout, q, k, v, out, lse, 0.0, True)
+        return [t.stride() for t in (out, lse, *grads)]
+
+    theirs = strides()
+    attention.activate_flash_attention_impl("tunegen")
+    try:
+        served = _counts("_scaled_dot_product_flash_attention_for_cpu")[0]
+        ours = strides()
+        assert _counts("_scaled_dot_product_flash_attention_for_cpu")[0] == served + 1
+    finally:
+        attention.restore_flash_attention_impl()
+    assert ours == theirs

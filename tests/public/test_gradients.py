@@ -195,3 +195,17 @@ def test_bad_gradients_are_rejected():
         torch.ops.tunegen.attention_backward(dout, q, k, v, out, lse[:, :1], None, False, 0.25)
     with pytest.raises(ValueError, match=r"k: the number of query heads \(2\) must be a multiple"):
         tunegen.attention(*leaves(q, k.expand(1, 3, 8, 16), v.expand(1, 3, 8, 16)))
+
+
+def test_a_log_sum_exp_laid_out_otherwise_gives_the_same_gradients():
+    """The backward reads each row of the log-sum-exp as consecutive floats: one laid out
+    (batch, seqlen, heads) in memory, as PyTorch's CPU flash op writes it, is read right."""
+    if not dispatch_interprets():
+        pytest.skip("CPU kernels need the interpreter")
+    q, k, v, dout = qkv_dout(2, 4, 2, 23, 23, 32, torch.float32, torch.device("cpu"), seed=64)
+    out, lse = tunegen.attention(q, k, v, causal=True, return_lse=True)
+    permuted = torch.empty_permuted(lse.shape, (0, 2, 1)).copy_(lse)
+    assert permuted.stride(-1) != 1
+    grads = torch.ops.tunegen.attention_backward(dout, q, k, v, out, permuted, None, True, 32**-0.5)
+    forward = lambda q, k, v: attention_reference(q, k, v, causal=True, scale=32**-0.5)
+    assert_grads(grads, reference_grads(forward, (q, k, v), dout), torch.float32)

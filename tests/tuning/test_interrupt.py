@@ -273,9 +273,10 @@ def test_an_interrupted_gpu_tune_gives_its_trials_back(tmp_path, signum, ranks, 
     _interrupt_and_rerun(url, gpu, problem, [*args, "--workers", "2", *ranks], signum, group)
 
 
-def test_a_trial_given_back_is_queued_again_without_counting_as_a_retry(tmp_path):
-    """A stopping process's trials come back as they were (it, not the Variant, stopped); a
-    Variant whose process died is queued again `MAX_RETRIES` times at most (it may be the cause)."""
+def test_a_trial_given_back_counts_as_a_retry_only_where_its_process_failed(tmp_path):
+    """An interrupted process's trials come back as they were (it, not the Variant, stopped); a
+    Variant whose process failed or died is queued again `MAX_RETRIES` times at most (it may be
+    the cause)."""
     url = f"sqlite:///{tmp_path / 'retries.db'}"
     storage = studies.storage(url, heartbeat_s=60, grace_s=120)
     study = optuna.create_study(study_name="retries", storage=storage)
@@ -289,11 +290,19 @@ def test_a_trial_given_back_is_queued_again_without_counting_as_a_retry(tmp_path
     (copy,) = [t for t in frozen.values() if t.state == TrialState.WAITING]
     assert copy.user_attrs == {"retries": 0, "retry_of": trial.number}
     assert copy.system_attrs["fixed_params"] == frozen[trial.number].params
-    for _ in range(studies.MAX_RETRIES + 1):  # each copy asked, and its process dies
+    trial = studies.ask(study)  # the copy, asked by a process that then fails: counted
+    trial.suggest_categorical("block", [64, 128])
+    heartbeat = studies.Heartbeat(storage, 60)
+    heartbeat.hold(trial)
+    heartbeat.close(abandon=True, counted=True)
+    (copy,) = [t for t in study.get_trials() if t.state == TrialState.WAITING]
+    assert copy.user_attrs == {"retries": 1, "retry_of": trial.number}
+    for _ in range(studies.MAX_RETRIES):  # each copy asked, and its process dies
         trial = studies.ask(study)
         trial.suggest_categorical("block", [64, 128])
         study.tell(trial, state=TrialState.FAIL)
         studies._requeue(study, study.get_trials()[trial.number])
     copies = [t for t in study.get_trials() if "retry_of" in t.user_attrs]
     assert [t.user_attrs["retries"] for t in copies] == [0, *range(1, studies.MAX_RETRIES + 1)]
+    assert [t.user_attrs["retry_of"] for t in copies[1:]] == [t.number for t in copies[:-1]]
     assert not study.get_trials(states=(TrialState.WAITING,)), "not queued past its retries"

@@ -121,10 +121,12 @@ class PrefillCall:
         """Which path serves the call (tunegen.backends.backend_for)."""
         return backend_for(self.q.device, self.strict)
 
-    def outputs(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Fresh output (like q; bfloat16 for FP8) and log-sum-exp (float32, or None unless kept)."""
+    def outputs(self, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The output (`out`, else a fresh one like q; bfloat16 for FP8) and a fresh log-sum-exp
+        (float32, or None unless kept)."""
         q = self.q
-        out = torch.empty_like(q) if self.descales is None else torch.empty_like(q, dtype=torch.bfloat16)
+        if out is None:
+            out = torch.empty_like(q) if self.descales is None else torch.empty_like(q, dtype=torch.bfloat16)
         if not self.return_lse:
             return out, None
         shape = q.shape[:3] if self.varlen is None else (q.shape[1], q.shape[0])

@@ -3,6 +3,8 @@ kernels; `tunegen.flash_attn` exports them as the `flash_attn` package does (see
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from tunegen.api import attention, attention_varlen
@@ -16,16 +18,35 @@ def length(t: object, dim: int) -> int | None:
     return t.shape[dim] if isinstance(t, torch.Tensor) and -t.dim() <= dim < t.dim() else None
 
 
+def bound_of(max_seqlen: object) -> int | None:
+    """A varlen call's `max_seqlen_k` as an int (a Python int, numpy integer or 0-d tensor), else
+    None: the checks that follow name what is wrong with it."""
+    try:
+        return operator.index(max_seqlen)
+    except TypeError:
+        return None
+
+
 def dense(q, k, v, causal: bool, scale: object, return_lse: object, deterministic: object, **fp8: object):
     """`tunegen.attention` on FlashAttention's (batch, seqlen, heads, head_dim) tensors: the
-    output in that layout, and the log-sum-exp (batch, heads, seqlen_q) if `return_lse`."""
+    output in that layout, and the log-sum-exp (batch, heads, seqlen_q) if `return_lse`, in
+    FlashAttention's convention (`flash_lse`)."""
     q_, k_, v_ = (t.transpose(1, 2) for t in (q, k, v))
     flags = {"return_lse": bool(return_lse), "deterministic": bool(deterministic)}
     result = attention(q_, k_, v_, causal=causal, scale=scale, **flags, **fp8)
     if not return_lse:
         return result.transpose(1, 2)
     out, lse = result
-    return out.transpose(1, 2), lse
+    return out.transpose(1, 2), flash_lse(lse)
+
+
+def flash_lse(lse: torch.Tensor, *, inplace: bool = False) -> torch.Tensor:
+    """The log-sum-exp in FlashAttention's convention: +inf (not tunegen's -inf, the mathematical
+    value) for a row that sees no key; in place where the caller owns `lse` alone (autograd may
+    keep it for the backward otherwise)."""
+    if inplace:
+        return lse.masked_fill_(lse == float("-inf"), float("inf"))
+    return lse.masked_fill(lse == float("-inf"), float("inf"))
 
 
 def _probs(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -54,7 +75,10 @@ def flash_attn_func(
     require(dropout_p=not dropout_p)
     causal = served_causal(causal, window_size, length(k, 1), softcap, alibi_slopes)
     result = dense(q, k, v, causal, softmax_scale, return_attn_probs, deterministic)
-    return _probs(*result) if return_attn_probs else result
+    if not return_attn_probs:
+        return result
+    out, lse = result
+    return _probs(out, flash_lse(lse))
 
 
 def flash_attn_qkvpacked_func(
@@ -118,7 +142,7 @@ def flash_attn_varlen_func(
     `cu_seqlens_q`/`cu_seqlens_k` (batch + 1): the output like q, and with `return_attn_probs`
     the log-sum-exp (heads, total_q) float32 and an empty S_dmask. Differentiable in q, k, v."""
     require(dropout_p=not dropout_p, block_table=block_table is None)
-    bound = max_seqlen_k if isinstance(max_seqlen_k, int) else None
+    bound = bound_of(max_seqlen_k)
     causal = served_causal(causal, window_size, bound, softcap, alibi_slopes)
     result = attention_varlen(
         q,
@@ -133,7 +157,10 @@ def flash_attn_varlen_func(
         return_lse=bool(return_attn_probs),
         deterministic=bool(deterministic),
     )
-    return _probs(*result) if return_attn_probs else result
+    if not return_attn_probs:
+        return result
+    out, lse = result
+    return _probs(out, flash_lse(lse))
 
 
 def flash_attn_varlen_qkvpacked_func(
@@ -181,14 +208,19 @@ def flash_attn_varlen_kvpacked_func(
     )  # fmt: skip
 
 
+def capacity(k_cache: object, block_table: object) -> int | None:
+    """How many tokens a cache holds per sequence: its slots, or its pages' tokens per row of the
+    block table (None where `k_cache` is not a cache: the checks that follow say why)."""
+    if not isinstance(k_cache, torch.Tensor) or k_cache.dim() != 4:
+        return None
+    return k_cache.shape[1] * (block_table.shape[1] if isinstance(block_table, torch.Tensor) else 1)
+
+
 def cache_lengths(cache_seqlens: object, q: torch.Tensor, k_cache: torch.Tensor, block_table: object):
     """FlashAttention's `cache_seqlens` as the (batch,) int32 tensor tunegen takes: a tensor as
-    given, an int for every sequence, None for the whole cache (every slot, or every page of the
-    block table)."""
+    given, an int for every sequence, None for the whole cache."""
     if cache_seqlens is None:
-        paged = isinstance(block_table, torch.Tensor)
-        full = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
-        return torch.full((q.shape[0],), full, dtype=torch.int32, device=q.device)
+        cache_seqlens = capacity(k_cache, block_table)
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         return torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
     return cache_seqlens
@@ -219,8 +251,9 @@ def flash_attn_with_kvcache(
     slots, kv_heads, head_dim) or paged (pages, page_size, kv_heads, head_dim) with
     `block_table`; `k`, `v` (batch, new_tokens, kv_heads, head_dim) are written into the cache in
     place at `cache_seqlens` first. Returns the output like q, and with `return_softmax_lse` the
-    log-sum-exp (batch, heads, seqlen_q) float32. Not differentiable, as FlashAttention's.
-    `rotary_interleaved` applies to the rotary embedding, which tunegen does not serve."""
+    log-sum-exp (batch, heads, seqlen_q) float32. Not differentiable, as FlashAttention's. A
+    window side of at least the cache's size is unbounded. `rotary_interleaved` applies to the
+    rotary embedding, which tunegen does not serve."""
     require(
         rotary_cos=rotary_cos is None,
         rotary_sin=rotary_sin is None,
@@ -231,8 +264,8 @@ def flash_attn_with_kvcache(
     if cache_seqlens is None and k is not None:
         raise ValueError("cache_seqlens: required where k and v are appended (where to write them)")
     lengths = cache_lengths(cache_seqlens, q, k_cache, block_table)
-    causal = served_causal(causal, window_size, None, softcap, alibi_slopes)
-    return decode_attention(
+    causal = served_causal(causal, window_size, capacity(k_cache, block_table), softcap, alibi_slopes)
+    result = decode_attention(
         q,
         k_cache,
         v_cache,
@@ -244,3 +277,7 @@ def flash_attn_with_kvcache(
         scale=softmax_scale,
         return_lse=bool(return_softmax_lse),
     )
+    if not return_softmax_lse:
+        return result
+    out, lse = result
+    return out, flash_lse(lse, inplace=True)

@@ -253,22 +253,24 @@ class Heartbeat:
         self._give_back(trial._trial_id, trial.study)
         self.release(trial)
 
-    def _give_back(self, trial_id: int, study: optuna.Study) -> None:
+    def _give_back(self, trial_id: int, study: optuna.Study, *, counted: bool = False) -> None:
         try:
             if self._storage.set_trial_state_values(trial_id, state=TrialState.FAIL):
-                _requeue(study, self._storage.get_trial(trial_id), died=False)
+                _requeue(study, self._storage.get_trial(trial_id), died=counted)
         except optuna.exceptions.UpdateFinishedTrialError:
             return  # concluded a moment ago
         except Exception as exc:  # the database is unreachable: the grace period will do it
             log.warning("tunegen tune: trial %d left to the heartbeat's grace: %s", trial_id, exc)
 
-    def close(self, *, abandon: bool = False) -> None:
+    def close(self, *, abandon: bool = False, counted: bool = False) -> None:
         """Stop beating. With `abandon` (this process stops without finishing its trials), give
-        back every trial it still holds (`abandon`): nobody waits out the grace period for them."""
+        back every trial it still holds (`abandon`): nobody waits out the grace period for them.
+        `counted`: the process is failing, which a Variant may cause, so each requeue counts
+        against its retries as a dead process's would."""
         self._stop.set()
         self._thread.join()
         if abandon:
             with self._lock:
                 held, self._held = self._held, {}
             for trial_id, study in held.items():
-                self._give_back(trial_id, study)
+                self._give_back(trial_id, study, counted=counted)

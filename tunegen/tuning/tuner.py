@@ -89,13 +89,14 @@ class Tuner(FinalRound):
         self.flight = Flight(self.pool.size)
         self.times_peers = times_peers
 
-    def close(self, *, abandon: bool = False) -> None:
+    def close(self, *, abandon: bool = False, failed: bool = False) -> None:
         """Stop the workers and the heartbeat, close the store. With `abandon` (this process stops
-        early: interrupted, or failing), work in flight is cut short, not awaited, and the trials
+        early: interrupted, or `failed`), work in flight is cut short, not awaited, and the trials
         this process holds are failed and their Variants queued again at once, as the heartbeat
-        would do `grace_s` after a killed process's last beat."""
+        would do `grace_s` after a killed process's last beat (a failure, which a Variant may
+        cause, counting against their retries)."""
         self._stop_workers(abandon=abandon)
-        self.heartbeat.close(abandon=abandon)
+        self.heartbeat.close(abandon=abandon, counted=failed)
         self.store.close()
 
     def _stop_workers(self, *, abandon: bool) -> None:
@@ -111,7 +112,9 @@ class Tuner(FinalRound):
         return self
 
     def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
-        self.close(abandon=kind is not None)
+        self.close(
+            abandon=kind is not None, failed=kind is not None and not issubclass(kind, interrupt.Interrupted)
+        )
 
     def _payload(self, problem: Problem, variant: Variant | None, seed: int) -> dict[str, Any]:
         return {
@@ -237,7 +240,7 @@ class Tuner(FinalRound):
     def _ask(self, problem: Problem, asks: Asks) -> None:
         """One trial from the sampler: screened (pruned with the reason) or sent to compile."""
         opts, study = self.options, asks.study
-        interrupt.check()  # a stopping process takes no more trials (not even a copy given back)
+        interrupt.check()  # a signal that has arrived stops this process before it takes a trial
         asking = time.time()
         trial = studies.ask(study)
         self.heartbeat.hold(trial)

@@ -72,10 +72,13 @@ class Worker:
         deadline = time.monotonic() + timeout
         try:
             self._conn.send((task, payload))
-            while time.monotonic() < deadline:
+            while True:
                 check()  # in the main thread, a signal stops the wait (the tuner then kills this)
-                if self._conn.poll(min(SLICE_S, max(0.0, deadline - time.monotonic()))):
+                left = deadline - time.monotonic()
+                if self._conn.poll(min(SLICE_S, max(0.0, left))):
                     return self._conn.recv()
+                if left <= 0:
+                    break
             reason = f"timed out after {timeout:g} s"
         except (EOFError, OSError, BrokenPipeError):
             reason = "the worker process died"
