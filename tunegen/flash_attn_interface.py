@@ -25,10 +25,9 @@ from tunegen.flash_attn.flash_attn_interface import (
     cache_lengths,
     capacity,
     dense,
-    flash_lse,
     length,
 )
-from tunegen.unserved import require, served_causal
+from tunegen.unserved import flash_lse, require, served_causal
 
 __all__ = [
     "flash_attn_func",

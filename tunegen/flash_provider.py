@@ -36,10 +36,9 @@ from tunegen.backends import FallbackError, capturing
 from tunegen.calls.backward import BackwardCall
 from tunegen.calls.prefill import PrefillCall
 from tunegen.decode import checking
-from tunegen.flash_attn.flash_attn_interface import flash_lse
 from tunegen.kernels import dispatch, launcher
 from tunegen.kernels.gpu import interpreting
-from tunegen.unserved import Unserved, causal_of, require
+from tunegen.unserved import Unserved, causal_of, flash_lse, require
 
 NAME = "tunegen"
 # Distinct refusal reasons kept per op; more are counted together (the counts stay bounded).

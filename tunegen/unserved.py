@@ -1,8 +1,11 @@
-"""What tunegen does not serve of FlashAttention's and PyTorch's attention arguments, and why: one
-table for `tunegen.flash_attn`, `tunegen.flash_attn_interface` and the flash provider, which
-refuse by the argument's name rather than ignore it."""
+"""FlashAttention's conventions, for `tunegen.flash_attn`, `tunegen.flash_attn_interface` and the
+flash provider: what tunegen does not serve of FlashAttention's and PyTorch's attention arguments
+and why (one table: they refuse by the argument's name rather than ignore it), how a causal flag
+and a window become tunegen's causal flag, and the log-sum-exp of a row that sees no key."""
 
 from __future__ import annotations
+
+import torch
 
 # Why an argument's value is not served, by the argument's name.
 WHY = {
@@ -91,3 +94,12 @@ def window_of(window_size: object) -> tuple[int, int]:
     if not all(isinstance(side, int) and not isinstance(side, bool) for side in (left, right)):
         raise ValueError(f"window_size: expected (left, right), two ints, got {window_size!r}")
     return left, right
+
+
+def flash_lse(lse: torch.Tensor, *, inplace: bool = False) -> torch.Tensor:
+    """The log-sum-exp in FlashAttention's convention: +inf (not tunegen's -inf, the mathematical
+    value) for a row that sees no key; in place where the caller owns `lse` alone (autograd may
+    keep it for the backward otherwise)."""
+    if inplace:
+        return lse.masked_fill_(lse == float("-inf"), float("inf"))
+    return lse.masked_fill(lse == float("-inf"), float("inf"))

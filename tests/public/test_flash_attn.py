@@ -23,9 +23,9 @@ from helpers import (
     reference_grads,
     rel_err,
 )
-from tunegen.flash_attn.flash_attn_interface import flash_lse
 from tunegen.kernels import dispatch
 from tunegen.kernels.reference import attention_reference, attention_varlen_reference
+from tunegen.unserved import flash_lse
 
 pytestmark = pytest.mark.usefixtures("user_db")
 VARLEN2 = "cu_seqlens_q cu_seqlens_k max_seqlen_q max_seqlen_k"

@@ -17,8 +17,8 @@ from conftest import NEEDS_GPU, NEEDS_INTERPRETER
 import tunegen
 from helpers import assert_grads, assert_lse, leaves, packed, qkv_dout, reference_grads, rel_err
 from tunegen.backends import FallbackError
-from tunegen.flash_attn.flash_attn_interface import flash_lse
 from tunegen.kernels.reference import attention_reference, attention_varlen_reference
+from tunegen.unserved import flash_lse
 
 attention = pytest.importorskip("torch.nn.attention")
 if not hasattr(attention, "register_flash_attention_impl"):

@@ -9,7 +9,7 @@ import torch
 
 from tunegen.api import attention, attention_varlen
 from tunegen.decode import decode_attention
-from tunegen.unserved import require, served_causal
+from tunegen.unserved import flash_lse, require, served_causal
 
 
 def length(t: object, dim: int) -> int | None:
@@ -38,15 +38,6 @@ def dense(q, k, v, causal: bool, scale: object, return_lse: object, deterministi
         return result.transpose(1, 2)
     out, lse = result
     return out.transpose(1, 2), flash_lse(lse)
-
-
-def flash_lse(lse: torch.Tensor, *, inplace: bool = False) -> torch.Tensor:
-    """The log-sum-exp in FlashAttention's convention: +inf (not tunegen's -inf, the mathematical
-    value) for a row that sees no key; in place where the caller owns `lse` alone (autograd may
-    keep it for the backward otherwise)."""
-    if inplace:
-        return lse.masked_fill_(lse == float("-inf"), float("inf"))
-    return lse.masked_fill(lse == float("-inf"), float("inf"))
 
 
 def _probs(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
