@@ -14,6 +14,11 @@ class FallbackError(RuntimeError):
     """Raised in strict mode when a call would not run a Triton kernel."""
 
 
+def strict_default() -> bool:
+    """Whether TUNEGEN_STRICT asks that anything but a Triton kernel be an error."""
+    return os.environ.get("TUNEGEN_STRICT", "0").lower() in ("1", "true", "on", "yes")
+
+
 def backend_for(device: torch.device, strict: bool | None = None) -> str:
     """Which path runs on `device`: "cuda" (compiled Triton), "interpreter" (Triton's interpreter
     on CPU tensors, with TRITON_INTERPRET=1) or "torch" (the PyTorch reference, refused when strict)."""
@@ -22,7 +27,7 @@ def backend_for(device: torch.device, strict: bool | None = None) -> str:
     if device.type == "cpu" and interpreting():
         return "interpreter"
     if strict is None:
-        strict = os.environ.get("TUNEGEN_STRICT", "0").lower() in ("1", "true", "on", "yes")
+        strict = strict_default()
     if strict:
         raise FallbackError(
             f"strict mode: no Triton kernel runs on {device.type} tensors "

@@ -26,6 +26,7 @@ from tunegen.flash_attn.flash_attn_interface import (
     capacity,
     dense,
     length,
+    operand,
 )
 from tunegen.unserved import flash_lse, require, served_causal
 
@@ -99,8 +100,9 @@ def flash_attn_qkvpacked_func(
     """`flash_attn_func` on q, k, v packed as qkv (batch, seqlen, 3, heads, head_dim), or with
     `num_heads_q` as (batch, seqlen, heads_q + 2 * kv_heads, head_dim)."""
     if num_heads_q is None:
-        q, k, v = qkv.unbind(dim=2)
+        q, k, v = operand("qkv", qkv, "(batch, seqlen, 3, heads, head_dim)", 3).unbind(dim=2)
     else:
+        operand("qkv", qkv, "(batch, seqlen, heads_q + 2 * kv_heads, head_dim)")
         kv_heads, odd = divmod(qkv.shape[2] - num_heads_q, 2)
         if odd or kv_heads < 1:
             raise ValueError(

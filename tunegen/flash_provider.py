@@ -23,7 +23,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import inspect
-import os
 import threading
 import warnings
 from collections.abc import Callable
@@ -32,7 +31,7 @@ from typing import Any
 import torch
 
 from tunegen import backward, eager
-from tunegen.backends import FallbackError, capturing
+from tunegen.backends import FallbackError, capturing, strict_default
 from tunegen.calls.backward import BackwardCall
 from tunegen.calls.prefill import PrefillCall
 from tunegen.decode import checking
@@ -70,10 +69,6 @@ def routing() -> dict[str, Any]:
             "served": dict(_SERVED),
             "refused": {op: dict(reasons) for op, reasons in _REFUSED.items()},
         }
-
-
-def _strict() -> bool:
-    return os.environ.get("TUNEGEN_STRICT", "0").lower() in ("1", "true", "on", "yes")
 
 
 def _checked(make: Callable[..., PrefillCall], *args: Any, **kwargs: Any) -> PrefillCall:
@@ -278,7 +273,7 @@ def _kernel(op: str, serve: Callable[..., Any], original: Any | None) -> Callabl
         except Unserved as unserved:
             reason = str(unserved)
             _count(op, reason)
-            if _strict():
+            if strict_default():
                 raise FallbackError(f"strict mode: aten::{op}: {reason}") from None
             if original is None:
                 raise RuntimeError(f"aten::{op}: {reason}, and PyTorch has no kernel for it here") from None

@@ -281,3 +281,30 @@ def test_varlen_refusals_name_the_argument():
         fa3.flash_attn_varlen_func(
             q, k, v, cu_q, cu_k, 4, 4, seqused_k=torch.tensor([3, 4], dtype=torch.int32)
         )
+
+
+@pytest.mark.parametrize(
+    ("call", "pattern"),
+    [
+        (
+            lambda z: fa2.flash_attn_func([1], z, z),
+            r"q: expected a tensor \(batch, seqlen, heads, head_dim\)",
+        ),
+        (
+            lambda z: fa3.flash_attn_func(z, z[0], z),
+            r"k: expected a tensor \(batch, seqlen, heads, head_dim\)",
+        ),
+        (lambda z: fa2.flash_attn_qkvpacked_func(None), r"qkv: expected a tensor \(batch, seqlen, 3, heads"),
+        (lambda z: fa2.flash_attn_kvpacked_func(z, z[:, :, None]), r"kv: expected a tensor .*got shape"),
+        (
+            lambda z: fa2.flash_attn_varlen_qkvpacked_func(z, None, 4),
+            r"qkv: expected a tensor \(total_tokens, 3",
+        ),
+        (lambda z: fa3.flash_attn_qkvpacked_func(z, num_heads_q=1), "num_heads_q: qkv's 2 heads"),
+        (lambda z: fa2.flash_attn_with_kvcache(None, z, z, cache_seqlens=3), "q: expected a torch.Tensor"),
+    ],
+)
+def test_bad_operands_are_named(call, pattern):
+    z = torch.randn(1, 6, 2, 16, dtype=torch.float16)
+    with pytest.raises(ValueError, match=pattern):
+        call(z)

@@ -27,11 +27,25 @@ def bound_of(max_seqlen: object) -> int | None:
         return None
 
 
+def operand(name: str, t: object, layout: str, packed: int = 0) -> torch.Tensor:
+    """`t` if it is a tensor of FlashAttention's `layout` (with `packed` > 0, holding that many
+    tensors along its packing dim, shown as `packed` in the layout), else a ValueError naming it;
+    tunegen's own checks then say what else is wrong."""
+    dims = layout.strip("()").split(", ")
+    if not isinstance(t, torch.Tensor) or t.dim() != len(dims):
+        what = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name}: expected a tensor {layout}, got {what}")
+    if packed and t.shape[dims.index(str(packed))] != packed:
+        raise ValueError(f"{name}: expected a tensor {layout}, got shape {tuple(t.shape)}")
+    return t
+
+
 def dense(q, k, v, causal: bool, scale: object, return_lse: object, deterministic: object, **fp8: object):
     """`tunegen.attention` on FlashAttention's (batch, seqlen, heads, head_dim) tensors: the
     output in that layout, and the log-sum-exp (batch, heads, seqlen_q) if `return_lse`, in
     FlashAttention's convention (`flash_lse`)."""
-    q_, k_, v_ = (t.transpose(1, 2) for t in (q, k, v))
+    layout = "(batch, seqlen, heads, head_dim)"
+    q_, k_, v_ = (operand(n, t, layout).transpose(1, 2) for n, t in (("q", q), ("k", k), ("v", v)))
     flags = {"return_lse": bool(return_lse), "deterministic": bool(deterministic)}
     result = attention(q_, k_, v_, causal=causal, scale=scale, **flags, **fp8)
     if not return_lse:
@@ -84,7 +98,7 @@ def flash_attn_qkvpacked_func(
     return_attn_probs=False,
 ):
     """`flash_attn_func` on q, k, v packed as qkv (batch, seqlen, 3, heads, head_dim)."""
-    q, k, v = qkv.unbind(dim=2)
+    q, k, v = operand("qkv", qkv, "(batch, seqlen, 3, heads, head_dim)", 3).unbind(dim=2)
     return flash_attn_func(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
         return_attn_probs,
@@ -104,7 +118,7 @@ def flash_attn_kvpacked_func(
     return_attn_probs=False,
 ):
     """`flash_attn_func` with k, v packed as kv (batch, seqlen_k, 2, kv_heads, head_dim)."""
-    k, v = kv.unbind(dim=2)
+    k, v = operand("kv", kv, "(batch, seqlen_k, 2, kv_heads, head_dim)", 2).unbind(dim=2)
     return flash_attn_func(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
         return_attn_probs,
@@ -168,7 +182,7 @@ def flash_attn_varlen_qkvpacked_func(
     return_attn_probs=False,
 ):
     """`flash_attn_varlen_func` on q, k, v packed as qkv (total_tokens, 3, heads, head_dim)."""
-    q, k, v = qkv.unbind(dim=1)
+    q, k, v = operand("qkv", qkv, "(total_tokens, 3, heads, head_dim)", 3).unbind(dim=1)
     return flash_attn_varlen_func(
         q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale, causal,
         window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
@@ -192,7 +206,7 @@ def flash_attn_varlen_kvpacked_func(
     return_attn_probs=False,
 ):
     """`flash_attn_varlen_func` with k, v packed as kv (total_k, 2, kv_heads, head_dim)."""
-    k, v = kv.unbind(dim=1)
+    k, v = operand("kv", kv, "(total_k, 2, kv_heads, head_dim)", 2).unbind(dim=1)
     return flash_attn_varlen_func(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
         causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
@@ -212,7 +226,7 @@ def cache_lengths(cache_seqlens: object, q: torch.Tensor, k_cache: torch.Tensor,
     given, an int for every sequence, None for the whole cache."""
     if cache_seqlens is None:
         cache_seqlens = capacity(k_cache, block_table)
-    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool) and isinstance(q, torch.Tensor):
         return torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
     return cache_seqlens
 
