@@ -311,6 +311,15 @@ def _original(op: str, key: str) -> Any | None:
         return None
 
 
+def _settle_priority() -> None:
+    """PyTorch sets SDPA's priority order at its first CUDA SDPA call (cuDNN first on Hopper and
+    Blackwell), over any order set before: have that happen now, so that the first call after
+    activation does not put cuDNN back above the flash backend."""
+    if torch.cuda.is_available() and hasattr(torch, "_fused_sdp_choice"):
+        t = torch.empty(1, 1, 1, 8, device="cuda", dtype=torch.float16)
+        torch._fused_sdp_choice(t, t, t)
+
+
 def activate() -> Handle:
     """Register tunegen's kernels for the flash ops (what `activate_flash_attention_impl` calls);
     if that fails midway, what was registered is removed again."""
@@ -332,6 +341,7 @@ def activate() -> Handle:
         handle.remove()
         raise
     if hasattr(torch._C, "_get_sdp_priority_order"):
+        _settle_priority()
         before = list(torch._C._get_sdp_priority_order())
         flash = int(torch.nn.attention.SDPBackend.FLASH_ATTENTION)
         ours = [flash, *(b for b in before if b != flash)]

@@ -226,6 +226,23 @@ def test_restored_pytorch_kernels_run_again():
 
 @pytest.mark.gpu
 @NEEDS_GPU
+def test_the_first_sdpa_call_of_a_process_runs_tunegen():
+    """PyTorch settles SDPA's priority order at a process's first CUDA SDPA call (cuDNN first on
+    Hopper): activated before it, the provider still serves that call, and the ones after."""
+    code = (
+        "import torch, torch.nn.functional as F, tunegen; "
+        "torch.nn.attention.activate_flash_attention_impl('tunegen'); "
+        "q = torch.randn(2, 4, 37, 64, device='cuda', dtype=torch.float16); "
+        "k = torch.randn(2, 2, 37, 64, device='cuda', dtype=torch.float16); "
+        "[F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True) for _ in range(2)]; "
+        "print(tunegen.explain()['served'].get('_scaled_dot_product_flash_attention', 0))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split()[-1] == "2"
+
+
+@pytest.mark.gpu
+@NEEDS_GPU
 def test_sdpa_through_the_provider_under_torch_compile_and_a_cuda_graph(active):
     """Compiled, SDPA's flash op is an extern call that runs tunegen at run time, gradients
     included; a warmed-up call captured in a CUDA graph replays correctly on new inputs."""
