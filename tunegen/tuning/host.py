@@ -17,7 +17,9 @@ import dataclasses
 import multiprocessing
 import multiprocessing.connection
 import os
+import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -196,7 +198,10 @@ class _Host:
         self.progress = progress
         self.finished = finished
         self.record = record
-        self.context = multiprocessing.get_context("spawn")
+        # Ranks are forked on Linux, starting with what this process imported (seconds each). A
+        # rank never calls CUDA nor writes to the terminal (its workers are spawned afresh), so
+        # neither this process's CUDA state nor its threads (the progress display) reach into it.
+        self.context = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
         self.states = [_State(rank, position) for position, rank in enumerate(ranks)]
         self.outcomes: dict[tuple[Gpu, int], Outcome] = {}
         self.assigned: set[tuple[Gpu, int]] = set()
@@ -217,7 +222,9 @@ class _Host:
         share = (members.index(state), len(members))
         args = (state.rank, self.problems, options, state.current, share, child)
         # Signals wait until the rank can give its trials back (`raising` in _rank_main).
-        with _environment("CUDA_VISIBLE_DEVICES", state.rank.visible), blocked():
+        with _environment("CUDA_VISIBLE_DEVICES", state.rank.visible), blocked(), warnings.catch_warnings():
+            # Python 3.12 warns of any fork from a process with threads; see __init__ for why not here.
+            warnings.filterwarnings("ignore", message=".*use of fork", category=DeprecationWarning)
             state.process = self.context.Process(
                 target=_rank_main, args=args, name=f"tunegen-gpu{state.rank.index}"
             )

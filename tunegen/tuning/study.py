@@ -10,17 +10,22 @@ next looks, and its Variant is queued again, so a dead worker leaves nothing run
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import functools
 import hashlib
 import logging
 import re
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import optuna
 import sqlalchemy
+from optuna.storages._rdb import models as _models
+from optuna.storages._rdb import storage as _rdb
 from optuna.trial import FrozenTrial, TrialState
 
 from tunegen.kernels.gpu import Gpu
@@ -79,6 +84,86 @@ def _requeue(study: optuna.Study, trial: FrozenTrial, *, died: bool = True) -> N
         study.enqueue_trial(trial.params, user_attrs=attrs)
 
 
+# RDBStorage's methods that only read: their transactions need not take SQLite's write lock.
+_READS = (
+    "get_all_studies", "get_study_id_from_name", "get_study_name_from_id", "get_study_directions",
+    "get_study_user_attrs", "get_study_system_attrs", "get_all_trials", "_get_trials", "get_trial",
+    "get_n_trials", "get_best_trial", "get_trial_id_from_study_id_trial_number",
+    "get_trial_number_from_id", "get_trial_param", "get_trial_params", "get_trial_user_attrs",
+    "get_trial_system_attrs", "_get_stale_trial_ids",
+)  # fmt: skip
+
+
+class _Storage(optuna.storages.RDBStorage):
+    """Optuna's RDBStorage that marks, per thread, when one of its calls only reads, and that can
+    write what a trial's process sets in a row (its parameters, its attributes) in one
+    transaction (`batched`) rather than one each."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.reading = threading.local()
+        self._batch = threading.local()
+        super().__init__(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def batched(self) -> Iterator[None]:
+        """The parameters and user attributes this thread sets inside are written as it ends, in
+        one transaction; none if it raises (a trial left without parameters is not queued again)."""
+        if not all(hasattr(self, m) for m in _BATCHED):  # another Optuna: one by one
+            yield
+            return
+        self._batch.pending = pending = []
+        try:
+            yield
+        finally:
+            self._batch.pending = None
+        if pending:
+            with _rdb._create_scoped_session(self.scoped_session, True) as session:
+                for write, args in pending:
+                    write(session, *args)
+
+    def _pending(self) -> list | None:
+        return getattr(self._batch, "pending", None)
+
+    def _set_trial_param(self, *args: Any) -> None:
+        pending = self._pending()
+        if pending is None:
+            super()._set_trial_param(*args)
+        else:
+            pending.append((self._set_trial_param_without_commit, args))
+
+    def set_trial_user_attr(self, trial_id: int, key: str, value: Any) -> None:
+        pending = self._pending()
+        if pending is None:
+            super().set_trial_user_attr(trial_id, key, value)
+        else:
+            pending.append((self._set_user_attr, (trial_id, key, value)))
+
+    def _set_user_attr(self, session: Any, trial_id: int, key: str, value: Any) -> None:
+        self._set_trial_attr_without_commit(session, _models.TrialUserAttributeModel, trial_id, key, value)
+
+
+# What `_Storage.batched` calls of RDBStorage inside one session (Optuna 5's private methods).
+_BATCHED = ("_set_trial_param", "_set_trial_param_without_commit", "_set_trial_attr_without_commit")
+
+
+def _read_only(method: Any) -> Any:
+    @functools.wraps(method)
+    def read(self: _Storage, *args: Any, **kwargs: Any) -> Any:
+        outer = getattr(self.reading, "on", False)
+        self.reading.on = True
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.reading.on = outer
+
+    return read
+
+
+for _name in _READS:
+    if hasattr(optuna.storages.RDBStorage, _name):  # names differ between Optuna releases
+        setattr(_Storage, _name, _read_only(getattr(optuna.storages.RDBStorage, _name)))
+
+
 def storage(url: str, heartbeat_s: int, grace_s: int) -> optuna.storages.RDBStorage:
     """Optuna's storage on the tuning database, with heartbeats: a trial not heard from for
     `grace_s` seconds is failed and its Variant queued again."""
@@ -88,7 +173,7 @@ def storage(url: str, heartbeat_s: int, grace_s: int) -> optuna.storages.RDBStor
         engine["connect_args"] = {"timeout": 60}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        rdb = optuna.storages.RDBStorage(
+        rdb = _Storage(
             url,
             engine_kwargs=engine,
             heartbeat_interval=heartbeat_s,
@@ -96,15 +181,19 @@ def storage(url: str, heartbeat_s: int, grace_s: int) -> optuna.storages.RDBStor
             heartbeat_stale_trial_callback=_requeue,
         )
     if rdb.engine.dialect.name == "sqlite":
-        _serialize(rdb.engine)
+        _serialize(rdb.engine, rdb.reading)
     return rdb
 
 
-def _serialize(engine: sqlalchemy.engine.Engine) -> None:
-    """Make each SQLite transaction take the database's write lock when it begins. Optuna checks a
-    trial's state, then changes it (a queued trial handed out, a stale one failed) under a row
-    lock that SQLite does not have: without this, two processes can both take the same queued
-    trial. SQLAlchemy's recipe: pysqlite's own transaction handling off, BEGIN IMMEDIATE on begin.
+def _serialize(engine: sqlalchemy.engine.Engine, reading: threading.local) -> None:
+    """Make each SQLite transaction that may write take the database's write lock when it begins.
+    Optuna checks a trial's state, then changes it (a queued trial handed out, a stale one failed)
+    under a row lock that SQLite does not have: without this, two processes can both take the
+    same queued trial. SQLAlchemy's recipe: pysqlite's own transaction handling off, BEGIN
+    IMMEDIATE on begin. A call that only reads (`reading.on`, set by `_Storage`) begins a plain
+    transaction instead: in WAL mode it reads a snapshot while another process writes, and the
+    processes sharing a study, which read every trial several times per trial they run, do not
+    queue behind each other's reads.
 
     And keep each transaction short: a trial takes some twenty (its parameters are written one
     by one), every one of which holds the lock that the other processes sharing the study wait
@@ -122,7 +211,7 @@ def _serialize(engine: sqlalchemy.engine.Engine) -> None:
 
     @sqlalchemy.event.listens_for(engine, "begin")
     def _immediate(connection: sqlalchemy.engine.Connection) -> None:
-        connection.exec_driver_sql("BEGIN IMMEDIATE")
+        connection.exec_driver_sql("BEGIN" if getattr(reading, "on", False) else "BEGIN IMMEDIATE")
 
     engine.dispose()  # connections opened before the listeners existed
 
@@ -200,12 +289,15 @@ def conflict(study: optuna.Study, trial: optuna.Trial, config: str) -> str | Non
     return None
 
 
-def conclude(study: optuna.Study, trial: optuna.Trial, attrs: dict[str, Any], **tell: Any) -> bool:
-    """Record the trial's attributes and result; False if another process had already failed it
-    as abandoned (its heartbeat was late), in which case its queued copy stands."""
+def conclude(
+    storage: _Storage, study: optuna.Study, trial: optuna.Trial, attrs: dict[str, Any], **tell: Any
+) -> bool:
+    """Record the trial's attributes (in one transaction) and result; False if another process had
+    already failed it as abandoned (its heartbeat was late), in which case its queued copy stands."""
     try:
-        for name, value in attrs.items():
-            trial.set_user_attr(name, value)
+        with storage.batched():
+            for name, value in attrs.items():
+                trial.set_user_attr(name, value)
         study.tell(trial, **tell)
     except (optuna.exceptions.UpdateFinishedTrialError, ValueError) as exc:
         log.warning("tunegen tune: trial %d was concluded elsewhere (%s)", trial.number, exc)

@@ -105,6 +105,7 @@ class Tuner(FinalRound):
             self.pool.kill()
             self.timer.kill()
         self._timing.shutdown(wait=True, cancel_futures=abandon)
+        self.timer.stop()  # it ends while the compile workers do
         self.pool.close()
         self.timer.close()
 
@@ -244,13 +245,17 @@ class Tuner(FinalRound):
         asking = time.time()
         trial = studies.ask(study)
         self.heartbeat.hold(trial)
-        trial.set_user_attr("owner", self.owner)
         asks.asked += 1
-        params = choose(asks.family, asks.space, trial.suggest_categorical)
-        variant, reason = self._screen(asks.family, params, problem, study, trial, asks.failures)
+        with self.storage.batched():  # its owner, its Variant and its claim: one transaction
+            trial.set_user_attr("owner", self.owner)
+            params = choose(asks.family, asks.space, trial.suggest_categorical)
+            variant, reason = self._screen(asks.family, params, problem, trial, asks.failures)
+        if reason is None:
+            # the claim is written: now see whether another process's rules this trial out
+            reason = studies.conflict(study, trial, variant.to_json())
         self.timeline.add(SAMPLER, "asking the sampler", asking, time.time(), problem_label(problem))
         if reason is not None:
-            studies.conclude(study, trial, {"reason": reason}, state=TrialState.PRUNED)
+            studies.conclude(self.storage, study, trial, {"reason": reason}, state=TrialState.PRUNED)
             self.heartbeat.release(trial)
             return
         payload = self._payload(problem, variant, opts.seed + trial.number)
@@ -332,10 +337,12 @@ class Tuner(FinalRound):
             return
         if result["status"] == "ok":
             attrs = {"evaluated": True, "rel_err": result["rel_err"]}
-            studies.conclude(study, trial, attrs, values=result["ms"])
+            studies.conclude(self.storage, study, trial, attrs, values=result["ms"])
         else:
             reason = f"{result['status']}: {result['reason']}"
-            studies.conclude(study, trial, {"evaluated": True, "reason": reason}, state=TrialState.FAIL)
+            studies.conclude(
+                self.storage, study, trial, {"evaluated": True, "reason": reason}, state=TrialState.FAIL
+            )
             self.store.record_failure(
                 FailureRecord(
                     self.record,
@@ -355,11 +362,9 @@ class Tuner(FinalRound):
         with self.timeline.span(GPU, name, problem_label(problem) if problem else ""):
             return self.timer.call(task, payload, self.options.trial_timeout)
 
-    def _screen(
-        self, family, params, problem, study, trial, known_failures
-    ) -> tuple[Variant | None, str | None]:
+    def _screen(self, family, params, problem, trial, known_failures) -> tuple[Variant | None, str | None]:
         """The Variant for `params` with this trial's claim on it written, or why it should not
-        be evaluated now."""
+        be evaluated."""
         try:
             variant = family.variant_type(**params)
         except ValueError as exc:
@@ -371,8 +376,7 @@ class Tuner(FinalRound):
         if config in known_failures:
             return None, f"failed before: {known_failures[config]}"
         trial.set_user_attr("variant", config)
-        reason = studies.conflict(study, trial, config)
-        return (None, reason) if reason else (variant, None)
+        return variant, None
 
     def _progress(self, study: optuna.Study, problem: Problem) -> dict[str, Any]:
         trials = study.get_trials(deepcopy=False)

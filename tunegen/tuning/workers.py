@@ -53,6 +53,7 @@ class Worker:
         self.interpret = interpret
         self.cpus = cpus
         self._killed = False
+        self._stopping = False
         self._start()
 
     def _start(self) -> None:
@@ -103,13 +104,18 @@ class Worker:
         self._killed = True
         self._process.kill()
 
-    def close(self) -> None:
-        try:
-            if not self._killed:
+    def stop(self) -> None:
+        """Ask the child to end once its task is done, without waiting for it (`close` waits):
+        children asked together tear down their CUDA contexts side by side."""
+        if not self._killed and not self._stopping:
+            self._stopping = True
+            with contextlib.suppress(OSError, BrokenPipeError):
                 self._conn.send(None)
+
+    def close(self) -> None:
+        self.stop()
+        with contextlib.suppress(OSError):
             self._process.join(5)
-        except (OSError, BrokenPipeError):
-            pass
         if self._process.is_alive():
             self._process.kill()
             self._process.join()
@@ -199,5 +205,7 @@ class WorkerPool:
         with self._lock:
             self._stopping = True
         self._threads.shutdown(wait=True)
+        for worker in self._all:
+            worker.stop()
         for worker in self._all:
             worker.close()
