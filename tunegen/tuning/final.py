@@ -67,6 +67,17 @@ class FinalRound:
         peer = self._peer(study, problem) or {}
         return self._finish(study, problem, get(problem.family), peer, start)
 
+    def _peer_measured(self, study: optuna.Study, problem: Problem, result: dict[str, Any]) -> None:
+        """Keep the fastest peer's time (for the progress line and the Winner's record), and share
+        it through the study with the other processes tuning the Problem."""
+        if result["status"] == "ok":
+            self._peers[problem] = {"name": result["name"], "ms": result["ms"]}
+            study.set_user_attr("peer", self._peers[problem])
+
+    def _peer(self, study: optuna.Study, problem: Problem) -> dict[str, Any] | None:
+        """The fastest peer measured in this run: by this process, else by another one."""
+        return self._peers.get(problem) or study.user_attrs.get("peer")
+
     def _settle(self, study: optuna.Study, problem: Problem, progress) -> None:
         opts = self.options
         deadline = time.monotonic() + opts.grace_s + 3 * opts.trial_timeout

@@ -189,7 +189,7 @@ class Tuner(FinalRound):
                     studies.fail_stale(asks.study, self.options.grace_s)
                     swept = time.monotonic()
                 self._dispatch(problem)
-                more = self._fill(problem, then)
+                more = self._fill(problem, then, progress)
                 self._dispatch(problem)
                 if not more and not self.flight.holds(problem):
                     return
@@ -221,14 +221,17 @@ class Tuner(FinalRound):
             asks.more = False
         return asks.more and studies.claimed(study) < opts.trials
 
-    def _fill(self, problem: Problem, then: Problem | None) -> bool:
+    def _fill(self, problem: Problem, then: Problem | None, progress) -> bool:
         """Ask for trials and start compiling them, `problem`'s first, then `then`'s, while fewer
-        than the flight's depth are ahead of the GPU; whether `problem` has trials left to ask."""
+        than the flight's depth are ahead of the GPU; whether `problem` has trials left to ask.
+        An ask takes tens of milliseconds: after each, what finished meanwhile is taken and the
+        GPU's queue refilled, so that a compiled trial never waits for the asks to end."""
         asks = self._asks[problem]
         while self.flight.ahead(problem) < self.flight.depth():
             if not self._can_ask(problem, asks):
                 break
             self._ask(problem, asks)
+            self._collect(problem, progress)
         else:
             return True
         if then is not None:
@@ -236,7 +239,12 @@ class Tuner(FinalRound):
             self._asks[then] = ahead
             while self.flight.ahead() < self.flight.depth() and self._can_ask(then, ahead):
                 self._ask(then, ahead)
+                self._collect(problem, progress)
         return False
+
+    def _collect(self, problem: Problem, progress) -> None:
+        self._take({f for f in self.flight.futures() if f.done()}, problem, progress)
+        self._dispatch(problem)
 
     def _ask(self, problem: Problem, asks: Asks) -> None:
         """One trial from the sampler: screened (pruned with the reason) or sent to compile."""
@@ -317,17 +325,6 @@ class Tuner(FinalRound):
                     self._conclude(study, pending.problem, pending.trial, pending.variant, result)
                 if progress is not None and pending.problem == current:
                     progress(self._progress(study, current))
-
-    def _peer_measured(self, study: optuna.Study, problem: Problem, result: dict[str, Any]) -> None:
-        """Keep the fastest peer's time (for the progress line and the Winner's record), and share
-        it through the study with the other processes tuning the Problem."""
-        if result["status"] == "ok":
-            self._peers[problem] = {"name": result["name"], "ms": result["ms"]}
-            study.set_user_attr("peer", self._peers[problem])
-
-    def _peer(self, study: optuna.Study, problem: Problem) -> dict[str, Any] | None:
-        """The fastest peer measured in this run: by this process, else by another one."""
-        return self._peers.get(problem) or study.user_attrs.get("peer")
 
     def _conclude(self, study, problem, trial, variant, result) -> None:
         """Tell the study a trial's verified time, or its failure (recorded, never retried); a
