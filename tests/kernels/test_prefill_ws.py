@@ -102,6 +102,15 @@ def test_ws_space_on_hopper_only_and_searched_apart_from_fa2():
     assert len(variants) == len(set(variants)), "the grid holds each Variant once"
     assert {v.schedule for v in variants} == {"fa2", "ws"}
     assert all(v.num_warps == 4 for v in variants if v.schedule == "ws")
+    # two programs per SM only with one consumer each: the tuner never asks for what the
+    # Variant itself refuses (each such ask was a wasted trial)
+    for consumers in space["consumers"]:
+        knobs = {"schedule": "ws", "consumers": consumers}
+        picked = base.choose(
+            prefill.FAMILY, space, lambda name, values, knobs=knobs: knobs.get(name, values[-1])
+        )
+        assert ("ctas_per_sm" in picked) == (consumers == 1)
+        prefill.PrefillVariant(**picked)  # accepted
 
 
 @pytest.mark.parametrize(

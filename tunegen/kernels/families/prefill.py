@@ -244,8 +244,12 @@ class PrefillFamily:
     variant_type = PrefillVariant
     conditions: ClassVar[dict[str, tuple[str, tuple]]] = {
         **{k: ("schedule", ("fa2",)) for k in FA2_KNOBS},
-        **{k: ("schedule", ("ws",)) for k in WS_KNOBS if k != "pingpong"},
-        "pingpong": ("consumers", (2, 3)),  # consumers is itself a knob of "ws" only
+        **{k: ("schedule", ("ws",)) for k in WS_KNOBS if k not in ("pingpong", "ctas_per_sm")},
+        # consumers is itself a knob of "ws" only
+        "pingpong": ("consumers", (2, 3)),
+        # two programs per SM leave registers for one consumer each: asked only then (not
+        # asked and refused, which cost a sixth of the tuner's asks)
+        "ctas_per_sm": ("consumers", (1,)),
     }
 
     def features(self, problem: Problem, gpu: Gpu) -> dict[str, Any]:
