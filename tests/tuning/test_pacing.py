@@ -19,9 +19,11 @@ from helpers import tiny_problems
 from tunegen.cli.main import main
 from tunegen.kernels.gpu import interpreter_gpu
 from tunegen.tuning import study, timeline
+from tunegen.tuning import tuner as tuner_module
 from tunegen.tuning.flight import FIRST_AHEAD, Flight
 from tunegen.tuning.study import evaluated, study_name
-from tunegen.tuning.timeline import Span, Timeline
+from tunegen.tuning.timeline import Span, Timeline, problem_label
+from tunegen.tuning.trial import compile_task
 from tunegen.tuning.tuner import TuneOptions, Tuner
 from tunegen.tuning.workers import WorkerPool
 
@@ -133,6 +135,35 @@ def test_the_next_problem_compiles_while_one_finishes_and_loses_no_trial(tmp_pat
     assert not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
     lanes = {s.lane for s in spans}
     assert {"gpu", "sampler", "tuner"} <= lanes and any(lane.startswith("compile") for lane in lanes)
+
+
+def _slow_first_problem(payload):
+    """compile_task, 1.5 s slower for the first Problem: its last compile is still running when
+    the next Problem's first trials are compiled."""
+    if payload["problem"] == PROBLEMS[0].as_dict():
+        time.sleep(1.5)
+    return compile_task(payload)
+
+
+@NEEDS_INTERPRETER
+def test_the_gpu_times_the_next_problem_while_the_last_compiles_finish(tmp_path, monkeypatch):
+    """The first Problem's last compile does not leave the GPU idle: the next Problem's compiled
+    trials are timed meanwhile (and told to its study), and none is lost or timed twice."""
+    monkeypatch.setattr(tuner_module, "compile_task", _slow_first_problem)
+    url = f"sqlite:///{tmp_path / 'tail.db'}"
+    options = TuneOptions(trials=3, workers=2, url=url, trial_timeout=300)
+    with Tuner(GPU, options) as tuner:
+        tuner.tune(PROBLEMS[0], then=PROBLEMS[1])
+        spans = tuner.timeline.take()
+        tuner.tune(PROBLEMS[1])
+    labels = [problem_label(p) for p in PROBLEMS]
+    timed = [s for s in spans if s.lane == "gpu" and s.name.startswith("trial")]
+    last_first = max(s.start for s in timed if s.problem == labels[0])
+    assert any(s.problem == labels[1] and s.start < last_first for s in timed), "timed in the tail"
+    trials = optuna.load_study(study_name=study_name(GPU, PROBLEMS[1], "tpe"), storage=url).trials
+    done = [t.user_attrs["variant"] for t in trials if evaluated(t)]
+    assert len(done) == len(set(done)) == 3
+    assert not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
 
 
 @NEEDS_INTERPRETER

@@ -172,8 +172,8 @@ class Tuner(FinalRound):
         """Evaluate trials of `problem` until `trials` are evaluated or held (by any process
         sharing the study), the time limit passes, or the space runs out. Once `problem` has no
         trial left to ask for, the compile workers go on to the first trials of `then` (the
-        Problem searched next, which times them), so that they do not wait while the GPU
-        finishes `problem`, nor the GPU for them at the start of `then`."""
+        Problem searched next), and the GPU times those compiled while `problem`'s last compiles
+        finish: neither waits for the other at the boundary."""
         asks = self._asks.get(problem) or self._asking(problem)
         self._asks[problem] = asks
         studies.fail_stale(asks.study, self.options.grace_s)
@@ -190,9 +190,9 @@ class Tuner(FinalRound):
                     swept = time.monotonic()
                 self._dispatch(problem)
                 more = self._fill(problem, then, progress)
-                self._dispatch(problem)
-                if not more and not self.flight.holds(problem):
-                    return
+                self._dispatch(problem, None if more or not self.flight.holds(problem) else then)
+                if not more and not self.flight.holds(problem) and not self.flight.timing:
+                    return  # the GPU is idle: the final round may use it
                 self._take(self._wait(), problem, progress)
         finally:
             self._asks.pop(problem, None)
@@ -283,11 +283,13 @@ class Tuner(FinalRound):
             if done:
                 return done
 
-    def _dispatch(self, problem: Problem) -> None:
-        """Queue `problem`'s compiled trials on the GPU, up to its queue's length."""
-        ready = self.flight.ready.get(problem)
-        while ready and len(self.flight.timing) < GPU_QUEUE:
-            self._on_gpu_queue(ready.popleft())
+    def _dispatch(self, problem: Problem, then: Problem | None = None) -> None:
+        """Queue `problem`'s compiled trials on the GPU, up to its queue's length; then `then`'s,
+        given where `problem` asks for no more and its last compiles would leave the GPU idle."""
+        for each in (problem, then) if then is not None else (problem,):
+            ready = self.flight.ready.get(each)
+            while ready and len(self.flight.timing) < GPU_QUEUE:
+                self._on_gpu_queue(ready.popleft())
 
     def _on_gpu_queue(self, pending: Pending) -> None:
         if pending.trial is None:
