@@ -21,6 +21,7 @@ refused with the reason (`routing()`, or `tunegen.explain()` without arguments).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import inspect
 import threading
@@ -316,8 +317,10 @@ def _settle_priority() -> None:
     Blackwell), over any order set before: have that happen now, so that the first call after
     activation does not put cuDNN back above the flash backend."""
     if torch.cuda.is_available() and hasattr(torch, "_fused_sdp_choice"):
-        t = torch.empty(1, 1, 1, 8, device="cuda", dtype=torch.float16)
-        torch._fused_sdp_choice(t, t, t)
+        # A CUDA that cannot start here fails the first SDPA call as well: nothing to settle now.
+        with contextlib.suppress(RuntimeError):
+            t = torch.empty(1, 1, 1, 8, device="cuda", dtype=torch.float16)
+            torch._fused_sdp_choice(t, t, t)
 
 
 def activate() -> Handle:

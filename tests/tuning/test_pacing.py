@@ -167,6 +167,30 @@ def test_the_gpu_times_the_next_problem_while_the_last_compiles_finish(tmp_path,
 
 
 @NEEDS_INTERPRETER
+def test_a_trial_claims_its_variant_in_the_database_before_it_looks_at_the_others(tmp_path, monkeypatch):
+    """The claim comes first (see study.py): when a trial reads the other trials' claims, its own
+    is already committed, where another process would see it."""
+    path = tmp_path / "claims.db"
+    seen = []
+
+    def conflict(study_, trial, config):
+        with sqlite3.connect(path) as conn:
+            row = conn.execute(
+                "SELECT value_json FROM trial_user_attributes WHERE trial_id = ? AND key = 'variant'",
+                (trial._trial_id,),
+            ).fetchone()
+        seen.append(row is not None and json.loads(row[0]) == config)
+        return real(study_, trial, config)
+
+    real = study.conflict
+    monkeypatch.setattr(study, "conflict", conflict)
+    options = TuneOptions(trials=2, workers=2, url=f"sqlite:///{path}", trial_timeout=300)
+    with Tuner(GPU, options) as tuner:
+        tuner.tune(PROBLEMS[0])
+    assert seen and all(seen)
+
+
+@NEEDS_INTERPRETER
 def test_cli_timeline_shows_both_stand_ins_and_times_each_problems_peers_once(tmp_path):
     url = f"sqlite:///{tmp_path / 'cli.db'}"
     trace = tmp_path / "timeline.json"

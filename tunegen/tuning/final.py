@@ -4,6 +4,7 @@ search in tuner.py, whose Tuner it is part of)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import time
 from collections.abc import Callable
@@ -18,7 +19,7 @@ from tunegen.kernels.gpu import Gpu
 from tunegen.kernels.problem import Problem
 from tunegen.kernels.render import template_hash
 from tunegen.tuning import study as studies
-from tunegen.tuning.interrupt import pause
+from tunegen.tuning.interrupt import SLICE_S, check, pause
 from tunegen.tuning.timeline import TUNER, WAIT_OTHERS, problem_label
 from tunegen.tuning.timing import rate
 from tunegen.tuning.trial import evaluate_task, peers_task
@@ -63,9 +64,18 @@ class FinalRound:
         self._settle(study, problem, progress)
         if self._peer(study, problem) is None:
             payload = self._payload(problem, None, self.options.seed)
-            self._peer_measured(study, problem, self._on_gpu("peers", problem, peers_task, payload))
+            self._peer_measured(study, problem, self._gpu_now("peers", problem, peers_task, payload))
         peer = self._peer(study, problem) or {}
         return self._finish(study, problem, get(problem.family), peer, start)
+
+    def _gpu_now(self, name: str, problem: Problem, task: Any, payload: dict[str, Any]) -> dict[str, Any]:
+        """`task(payload)` on the timing worker, for the main thread: through the timing thread,
+        after what it holds (its warm-up, a trial), so that two threads never share the worker;
+        a signal stops the wait."""
+        future = self._timing.submit(self._on_gpu, name, problem, task, payload)
+        while not concurrent.futures.wait([future], SLICE_S).done:
+            check()
+        return future.result()
 
     def _peer_measured(self, study: optuna.Study, problem: Problem, result: dict[str, Any]) -> None:
         """Keep the fastest peer's time (for the progress line and the Winner's record), and share
@@ -104,7 +114,7 @@ class FinalRound:
         for trial in ranked:
             payload = self._payload(problem, None, self.options.seed + trial.number)
             payload.update(variant=trial.user_attrs["variant"], rep_ms=FINAL_REP_MS)
-            result = self._on_gpu("final round", problem, evaluate_task, payload)
+            result = self._gpu_now("final round", problem, evaluate_task, payload)
             if result["status"] == "ok":
                 timed.append((result["ms"], trial.number, trial))
         if not timed:

@@ -129,6 +129,9 @@ def _rank_main(
     whether to finish one (finalize), go on, or stop. Of its model's `share` = (its position, the
     model's ranks) it times the peers of every so many Problems. It talks through a pipe of its
     own, which dies with it: nothing it sent can be mistaken for its successor's."""
+    # Forked, it inherits the progress display's proxies of stdout and stderr: its warnings and
+    # tracebacks go to the streams themselves, never through the display (or its lock).
+    sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
     parent = multiprocessing.parent_process()
     if options.cpus and len(options.cpus) > 1 and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, options.cpus[1:])  # the first core is the timing worker's alone

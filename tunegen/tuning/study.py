@@ -117,7 +117,7 @@ class _Storage(optuna.storages.RDBStorage):
         finally:
             self._batch.pending = None
         if pending:
-            with _rdb._create_scoped_session(self.scoped_session, True) as session:
+            with _rdb._create_scoped_session(self.scoped_session) as session:
                 for write, args in pending:
                     write(session, *args)
 

@@ -176,6 +176,8 @@ class Tuner(FinalRound):
         finish: neither waits for the other at the boundary."""
         asks = self._asks.get(problem) or self._asking(problem)
         self._asks[problem] = asks
+        if progress is not None:  # trials timed while the Problem before it finished count too
+            progress(self._progress(asks.study, problem))
         studies.fail_stale(asks.study, self.options.grace_s)
         if self._peer(asks.study, problem) is None and self.times_peers(problem):
             # first, while the first Variants compile: the bar to beat
@@ -192,7 +194,7 @@ class Tuner(FinalRound):
                 more = self._fill(problem, then, progress)
                 self._dispatch(problem, None if more or not self.flight.holds(problem) else then)
                 if not more and not self.flight.holds(problem) and not self.flight.timing:
-                    return  # the GPU is idle: the final round may use it
+                    return  # nothing of the next Problem is timed ahead of the final round
                 self._take(self._wait(), problem, progress)
         finally:
             self._asks.pop(problem, None)
