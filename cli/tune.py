@@ -149,6 +149,7 @@ def tune(
     from rich.table import Table
 
     from tunegen.tuning import host, interrupt, presets
+    from tunegen.tuning import ranks as placement
     from tunegen.tuning import timeline as timelines
     from tunegen.tuning.tuner import TuneOptions
     from tunegen.tuning_db import TuningDbError
@@ -201,7 +202,7 @@ def tune(
         trial_timeout=trial_timeout,
         url=db_url,
     )
-    by_gpu = host.groups(ranks)
+    by_gpu = placement.groups(ranks)
     where = {gpu: f"{gpu.name} ({_devices(members, interpret)})" for gpu, members in by_gpu.items()}
     columns = (
         TextColumn("{task.description}"),
@@ -344,15 +345,15 @@ def _ranks(spec: str | None, interpret: bool) -> list:
     import torch
 
     from tunegen.kernels.gpu import cuda_gpu, interpreter_gpu
-    from tunegen.tuning import host
+    from tunegen.tuning import ranks as placement
 
     if interpret:
-        count = 1 if spec in (None, "all") else len(host.select(spec, 64))
-        return [host.Rank(i, None, interpreter_gpu()) for i in range(count)]
+        count = 1 if spec in (None, "all") else len(placement.select(spec, 64))
+        return [placement.Rank(i, None, interpreter_gpu()) for i in range(count)]
     if spec is None:
         current = torch.cuda.current_device()
-        return [host.Rank(current, None, cuda_gpu(current))]
-    return host.cuda_ranks(host.select(spec, torch.cuda.device_count()), cuda_gpu)
+        return [placement.Rank(current, None, cuda_gpu(current))]
+    return placement.cuda_ranks(placement.select(spec, torch.cuda.device_count()), cuda_gpu)
 
 
 def _devices(ranks: list, interpret: bool) -> str:

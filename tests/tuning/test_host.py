@@ -21,6 +21,7 @@ from helpers import tiny_problems
 from tunegen.cli.main import main
 from tunegen.kernels.gpu import interpreter_gpu
 from tunegen.tuning import host, study
+from tunegen.tuning import ranks as placement
 from tunegen.tuning.study import evaluated, study_name
 from tunegen.tuning.tuner import TuneOptions, Tuner
 from tunegen.tuning_db import Store
@@ -45,9 +46,9 @@ def _trials(url, problem):
 
 
 def test_selecting_gpus():
-    assert host.select("all", 4) == [0, 1, 2, 3]
-    assert host.select("2", 4) == [0, 1]
-    assert host.select("0,2,3", 4) == [0, 2, 3] and host.select("3,", 4) == [3]
+    assert placement.select("all", 4) == [0, 1, 2, 3]
+    assert placement.select("2", 4) == [0, 1]
+    assert placement.select("0,2,3", 4) == [0, 2, 3] and placement.select("3,", 4) == [3]
     for spec, message in [
         ("5", "this host has 4 GPU"),
         ("0", "this host has 4 GPU"),
@@ -57,19 +58,19 @@ def test_selecting_gpus():
         ("", "expected all, a count or indices"),
     ]:
         with pytest.raises(ValueError, match=message):
-            host.select(spec, 4)
+            placement.select(spec, 4)
 
 
 def test_gpu_models_are_tuned_apart_and_ranks_see_their_own_device(monkeypatch):
     h100 = dataclasses.replace(GPU, name="NVIDIA H100", backend="cuda", capability=(9, 0))
     h200 = dataclasses.replace(h100, name="NVIDIA H200")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,7")
-    ranks = host.cuda_ranks([0, 1, 2], lambda i: h200 if i == 1 else h100)
+    ranks = placement.cuda_ranks([0, 1, 2], lambda i: h200 if i == 1 else h100)
     assert [(r.index, r.visible) for r in ranks] == [(0, "3"), (1, "5"), (2, "7")]
-    grouped = host.groups(ranks)
+    grouped = placement.groups(ranks)
     assert [[r.index for r in members] for members in grouped.values()] == [[0, 2], [1]]
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    assert [r.visible for r in host.cuda_ranks([1], lambda i: h100)] == ["1"]
+    assert [r.visible for r in placement.cuda_ranks([1], lambda i: h100)] == ["1"]
 
 
 def _no_trial_left_running(url):
@@ -83,7 +84,7 @@ def test_two_stand_ins_divide_the_trials(tmp_path, kill):
     Problem finished once. Killed mid-trial, a rank is replaced and its trials do not stay running."""
     url = f"sqlite:///{tmp_path / 'host.db'}"
     options = dataclasses.replace(FAST, url=url)
-    ranks = [host.Rank(i, None, GPU) for i in range(2)]
+    ranks = [placement.Rank(i, None, GPU) for i in range(2)]
     killed: list[tuple[int, list[int]]] = []
     finished = []
 

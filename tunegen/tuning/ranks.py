@@ -1,0 +1,76 @@
+"""Which GPUs a multi-GPU tuning run uses and how its ranks share the host: `--gpus` parsed to
+device indices, one Rank per device (the CUDA_VISIBLE_DEVICES entry it is shown), ranks grouped
+by GPU model, and each rank's share of the CPU cores."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+
+from tunegen.kernels.gpu import Gpu
+
+
+@dataclasses.dataclass(frozen=True)
+class Rank:
+    """One GPU of the run: its index as this process numbers CUDA devices (or the number of an
+    interpreter stand-in), what CUDA_VISIBLE_DEVICES the rank gets (None: this process's own
+    view, for a rank run in this process), and its Gpu identity."""
+
+    index: int
+    visible: str | None
+    gpu: Gpu
+
+    @property
+    def name(self) -> str:
+        """How the timeline and messages name the rank."""
+        return f"{'stand-in' if self.gpu.backend == 'interpreter' else 'GPU'} {self.index}"
+
+
+def select(spec: str, count: int) -> list[int]:
+    """The device indices `spec` names among `count` devices: "all"; a number N (the first N);
+    or a comma-separated list of indices ("0,2,5"; one device: "3,")."""
+    spec = spec.strip()
+    if spec == "all":
+        return list(range(count))
+    try:
+        indices = [int(part) for part in spec.split(",") if part.strip()]
+    except ValueError:
+        indices = []
+    if not indices:
+        raise ValueError(f"gpus: expected all, a count or indices like 0,2,5; got {spec!r}")
+    if "," not in spec:
+        if not 1 <= indices[0] <= count:
+            raise ValueError(f"gpus: this host has {count} GPU(s); asked for {indices[0]}")
+        return list(range(indices[0]))
+    if len(set(indices)) != len(indices):
+        raise ValueError(f"gpus: expected distinct indices, got {spec!r}")
+    if not all(0 <= i < count for i in indices):
+        raise ValueError(f"gpus: this host's GPUs are 0..{count - 1}; got {spec!r}")
+    return indices
+
+
+def cuda_ranks(indices: list[int], gpus: Callable[[int], Gpu]) -> list[Rank]:
+    """Ranks for CUDA devices `indices`, each shown only its own device (through the entry of
+    this process's CUDA_VISIBLE_DEVICES that the index stands for, if that is set)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    entries = [e.strip() for e in visible.split(",")] if visible else None
+    return [Rank(i, entries[i] if entries else str(i), gpus(i)) for i in indices]
+
+
+def groups(ranks: list[Rank]) -> dict[Gpu, list[Rank]]:
+    """Ranks by GPU model: those sharing a Gpu identity tune together; Winners never mix."""
+    out: dict[Gpu, list[Rank]] = {}
+    for rank in ranks:
+        out.setdefault(rank.gpu, []).append(rank)
+    return out
+
+
+def cores(position: int, ranks: int) -> tuple[int, ...] | None:
+    """The CPU cores of the rank at `position` of `ranks`: an equal share of those this process
+    may use (None where the platform cannot pin processes)."""
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    available = sorted(os.sched_getaffinity(0))
+    share = max(1, len(available) // ranks)
+    return tuple(available[position * share : (position + 1) * share]) or None
