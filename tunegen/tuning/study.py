@@ -195,13 +195,13 @@ def _serialize(engine: sqlalchemy.engine.Engine, reading: threading.local) -> No
     processes sharing a study, which read every trial several times per trial they run, do not
     queue behind each other's reads.
 
-    And keep each transaction short: a trial takes some twenty (its parameters are written one
-    by one), every one of which holds the lock that the other processes sharing the study wait
-    for. With the default rollback journal each commit waits for the disk twice; in WAL mode
-    with `synchronous=NORMAL` it waits for none (the log reaches the disk at checkpoints): a
-    crash of the process loses nothing, a power cut at most the last transactions, never the
-    file. WAL mode stays with the file; SQLite folds the log back in when the last connection
-    closes."""
+    And keep each transaction short: a trial still takes about a dozen (its creation, its
+    heartbeats, its owner, parameters and claim as one batch, its result), and each that writes
+    holds the lock the other processes sharing the study wait for. With the default rollback
+    journal each commit waits for the disk twice; in WAL mode with `synchronous=NORMAL` it waits
+    for none (the log reaches the disk at checkpoints): a crash of the process loses nothing, a
+    power cut at most the last transactions, never the file. WAL mode stays with the file;
+    SQLite folds the log back in when the last connection closes."""
 
     @sqlalchemy.event.listens_for(engine, "connect")
     def _manual(dbapi_connection: Any, _record: Any) -> None:
