@@ -1,10 +1,12 @@
 """The study storage that the processes of a tuning run share: calls that only read never queue
 for SQLite's write lock (another process writing does not stall them), calls that write still
 take it when they begin, and what a trial's process sets in a row (its owner, parameters and
-claim; its result's attributes) is written in one transaction, or not at all if it fails."""
+claim; its result's attributes) is written in one transaction, or not at all if it fails, and its
+suggestions read the study's trials once (`snapshot`)."""
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import threading
 import time
@@ -12,6 +14,7 @@ import time
 import optuna
 import pytest
 import sqlalchemy
+from optuna.trial import TrialState
 
 from tunegen.tuning import study as studies
 
@@ -104,3 +107,90 @@ def test_a_batch_checks_distributions_against_the_study_as_single_writes_do(shar
         storage.set_trial_param(
             second._trial_id, "a", 0, optuna.distributions.CategoricalDistribution([7, 8, 9])
         )
+
+
+def _queries(monkeypatch, storage) -> list[int]:
+    """A counter of `storage`'s reads of trials that reach the database."""
+    queried = [0]
+    read = optuna.storages.RDBStorage._get_trials
+
+    def count(self, *args, **kwargs):
+        queried[0] += self is storage
+        return read(self, *args, **kwargs)
+
+    monkeypatch.setattr(optuna.storages.RDBStorage, "_get_trials", count)
+    return queried
+
+
+def test_a_snapshot_reads_the_trials_once_for_its_thread_only(shared, monkeypatch):
+    storage, study, _ = shared
+    for _ in range(3):
+        studies.ask(study)
+    queried = _queries(monkeypatch, storage)
+    with storage.snapshot():
+        for _ in range(5):
+            trials = study.get_trials(deepcopy=False)
+            assert [t.number for t in trials] == [0, 1, 2]
+            assert "scribbled" not in trials[0].user_attrs, "each read hands out its own copies"
+            trials[0].user_attrs["scribbled"] = True  # Optuna's cache's own: a caller must not
+        assert queried[0] == 1
+        elsewhere = threading.Thread(target=study.get_trials)
+        elsewhere.start()
+        elsewhere.join()
+        assert queried[0] == 2, "another thread reads the database"
+    for _ in range(3):
+        study.get_trials(deepcopy=False)
+    assert queried[0] == 5, "outside, each read reads"
+    with pytest.raises(RuntimeError), storage.snapshot():
+        study.get_trials(deepcopy=False)
+        raise RuntimeError("a suggestion failed")
+    study.get_trials(deepcopy=False)
+    assert queried[0] == 7, "a snapshot that raised is over"
+
+
+def test_a_snapshot_holds_what_was_written_before_it_and_a_read_after_it_sees_what_came_since(
+    shared, monkeypatch
+):
+    storage, study, path = shared
+    studies.ask(study)
+    # another process's trial, started and finished before the snapshot
+    other = optuna.load_study(study_name="s", storage=studies.storage(f"sqlite:///{path}", 10, 60))
+    other.tell(studies.ask(other), 1)
+    queried = _queries(monkeypatch, storage)
+    with storage.snapshot():
+        seen = [[(t.number, t.state) for t in study.get_trials(deepcopy=False)] for _ in range(3)]
+        studies.ask(other)  # and one started during it
+        during = [t.number for t in study.get_trials(deepcopy=False)]
+    # Optuna's cache asks for other trials after its first read, all within that one read
+    assert queried[0] == 1
+    assert seen == [[(0, TrialState.RUNNING), (1, TrialState.COMPLETE)]] * 3 and during == [0, 1]
+    assert [t.number for t in study.get_trials(deepcopy=False)] == [0, 1, 2]
+
+
+def _search(path, snapshot: bool) -> list[tuple[dict, TrialState]]:
+    """15 trials of a TPE study on conditional knobs, each asked as `Tuner._ask` asks: owner,
+    suggestions and claim in one batch (in a snapshot or not), then the claims checked."""
+    storage = studies.storage(f"sqlite:///{path}", heartbeat_s=10, grace_s=60)
+    space = {"a": [1, 2], "b": [16, 32, 64], "c": [1, 2, 3], "d": [4, 8]}
+    sampler = studies.make_sampler("tpe", 7, space)
+    study = optuna.create_study(study_name="s", storage=storage, sampler=sampler)
+    for _ in range(15):
+        trial = studies.ask(study)
+        with storage.batched(), storage.snapshot() if snapshot else contextlib.nullcontext():
+            trial.set_user_attr("owner", "me")
+            params = {name: trial.suggest_categorical(name, space[name]) for name in ("a", "b")}
+            knob = "c" if params["a"] == 1 else "d"  # another group of knobs
+            params[knob] = trial.suggest_categorical(knob, space[knob])
+            trial.set_user_attr("variant", repr(params))
+        reason = studies.conflict(study, trial, repr(params))
+        if reason is not None:
+            studies.conclude(storage, study, trial, {"reason": reason}, state=TrialState.PRUNED)
+        else:
+            studies.conclude(storage, study, trial, {"evaluated": True}, values=params["b"] * params[knob])
+    return [(t.params, t.state) for t in study.trials]
+
+
+def test_the_ask_path_suggests_from_a_snapshot_what_it_did_from_reads_spread_over_it(tmp_path):
+    searched = _search(tmp_path / "snapshot.db", snapshot=True)
+    assert len(searched) == 15 and {s for _, s in searched} <= {TrialState.COMPLETE, TrialState.PRUNED}
+    assert searched == _search(tmp_path / "reads.db", snapshot=False)

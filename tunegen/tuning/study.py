@@ -11,6 +11,7 @@ next looks, and its Variant is queued again, so a dead worker leaves nothing run
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime
 import functools
 import hashlib
@@ -95,14 +96,44 @@ _READS = (
 
 
 class _Storage(optuna.storages.RDBStorage):
-    """Optuna's RDBStorage that marks, per thread, when one of its calls only reads, and that can
-    write what a trial's process sets in a row (its parameters, its attributes) in one
-    transaction (`batched`) rather than one each."""
+    """Optuna's RDBStorage that marks, per thread, when one of its calls only reads, that writes
+    what a trial's process sets in a row (parameters, attributes) in one transaction (`batched`)
+    rather than one each, and can answer a trial's suggestions' reads from one (`snapshot`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.reading = threading.local()
         self._batch = threading.local()
+        self._snap = threading.local()
         super().__init__(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def snapshot(self) -> Iterator[None]:
+        """Inside, this thread's reads of a study's trials are answered from its first: one read
+        (~5 ms) for a trial's suggestions, not TPE's one per knob group and one for its search space.
+        As valid as reads spread over the suggestions: another process's trial written meanwhile is
+        a race either way, and this trial's parameters are in neither (its batch holds them). Not for
+        asking (a queued trial handed out) nor `conflict` (after the claim): they read afresh. Apart
+        from `batched`, which is about writes and which `conclude` uses too. Other threads unaffected."""
+        outer = getattr(self._snap, "reads", None)
+        self._snap.reads = [] if outer is None else outer  # nested: the outer one's
+        try:
+            yield
+        finally:
+            self._snap.reads = outer
+
+    def _get_trials(self, study_id: int, states: Any, included_trial_ids: set, trial_id_greater_than: int):
+        """RDBStorage's; in a `snapshot`, cut from a read there of the same study and states that
+        asked for all this one does, as copies: Optuna's cache keeps the trials it gets as its own."""
+        reads, above = getattr(self._snap, "reads", None), trial_id_greater_than
+        ids = {i for i in included_trial_ids if i <= above}  # as RDBStorage counts them
+        for study, kept_states, kept_ids, kept_above, trials in reads or ():
+            covers = kept_above <= above and all(i in kept_ids or i > kept_above for i in ids)
+            if covers and (study, kept_states) == (study_id, states):
+                return [copy.deepcopy(t) for t in trials if t._trial_id in ids or t._trial_id > above]
+        trials = super()._get_trials(study_id, states, included_trial_ids, above)
+        if reads is not None:
+            reads.append((study_id, states, ids, above, copy.deepcopy(trials)))
+        return trials
 
     @contextlib.contextmanager
     def batched(self) -> Iterator[None]:
@@ -161,7 +192,7 @@ def _read_only(method: Any) -> Any:
 
 for _name in _READS:
     if hasattr(optuna.storages.RDBStorage, _name):  # names differ between Optuna releases
-        setattr(_Storage, _name, _read_only(getattr(optuna.storages.RDBStorage, _name)))
+        setattr(_Storage, _name, _read_only(getattr(_Storage, _name)))
 
 
 def storage(url: str, heartbeat_s: int, grace_s: int) -> optuna.storages.RDBStorage:

@@ -256,7 +256,7 @@ class Tuner(FinalRound):
         trial = studies.ask(study)
         self.heartbeat.hold(trial)
         asks.asked += 1
-        with self.storage.batched():  # its owner, its Variant and its claim: one transaction
+        with self.storage.batched(), self.storage.snapshot():  # one write (owner, Variant, claim), one read
             trial.set_user_attr("owner", self.owner)
             params = choose(asks.family, asks.space, trial.suggest_categorical)
             variant, reason = self._screen(asks.family, params, problem, trial, asks.failures)
