@@ -143,7 +143,6 @@ def tune(
     import os
     import time
 
-    import torch
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
     from rich.table import Table
@@ -159,7 +158,8 @@ def tune(
     if not models:
         models = [presets.preset("llama3-8b")]
     _refuse_what_does_not_apply(family, causal, fp8)
-    interpret = dry_run or not torch.cuda.is_available()
+    devices = [] if dry_run else placement.cuda_gpus()
+    interpret = not devices
     if interpret and trials > presets.DRY_RUN_TRIALS:
         if _given("trials"):
             raise click.BadParameter(
@@ -188,7 +188,7 @@ def tune(
             "on a GPU.[/yellow]"
         )
     try:
-        ranks = _ranks(gpus, interpret)
+        ranks = _ranks(gpus, devices)
     except ValueError as exc:
         raise click.BadParameter(str(exc).removeprefix("gpus: "), param_hint="--gpus") from None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -340,20 +340,18 @@ def _refuse_what_does_not_apply(family: str, causal: str, fp8: bool) -> None:
         )
 
 
-def _ranks(spec: str | None, interpret: bool) -> list:
-    """The GPUs to tune on: `--gpus` among this host's CUDA devices, or interpreter stand-ins."""
-    import torch
-
-    from tunegen.kernels.gpu import cuda_gpu, interpreter_gpu
+def _ranks(spec: str | None, devices: list) -> list:
+    """The GPUs to tune on: `--gpus` among this host's CUDA `devices` (the first without it),
+    or interpreter stand-ins where there are none. Each runs in a process of its own, which
+    forks its workers (tuning/zygote.py)."""
+    from tunegen.kernels.gpu import interpreter_gpu
     from tunegen.tuning import ranks as placement
 
-    if interpret:
+    if not devices:
         count = 1 if spec in (None, "all") else len(placement.select(spec, 64))
         return [placement.Rank(i, None, interpreter_gpu()) for i in range(count)]
-    if spec is None:
-        current = torch.cuda.current_device()
-        return [placement.Rank(current, None, cuda_gpu(current))]
-    return placement.cuda_ranks(placement.select(spec, torch.cuda.device_count()), cuda_gpu)
+    indices = [0] if spec is None else placement.select(spec, len(devices))
+    return placement.cuda_ranks(indices, devices.__getitem__)
 
 
 def _devices(ranks: list, interpret: bool) -> str:

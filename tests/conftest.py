@@ -78,3 +78,20 @@ def postgres_url() -> Iterator[str]:
         with admin.connect() as conn:
             conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()
+
+
+@pytest.fixture(params=["spawned", "forked"])
+def zygote(request: pytest.FixtureRequest) -> Iterator[object]:
+    """None (tuning workers spawned), then a Zygote (workers forked by it): a worker test runs both."""
+    from tunegen.tuning.zygote import Zygote, usable
+
+    if request.param == "spawned":
+        yield None
+        return
+    if not usable():
+        pytest.skip("workers are forked on Linux only, by a process that has not touched CUDA")
+    made = Zygote()
+    try:
+        yield made
+    finally:
+        made.close()

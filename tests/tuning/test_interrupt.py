@@ -5,6 +5,7 @@ heartbeat's grace period."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -119,10 +120,10 @@ def _hang(_payload):
     time.sleep(60)
 
 
-def test_a_stopped_worker_is_not_the_variants_failure():
+def test_a_stopped_worker_is_not_the_variants_failure(zygote):
     """A worker given SIGTERM from outside (a SIGTERM to the whole process group) is replaced, and
     its task reported as stopped; one the tuner kills as it stops returns at once, not replaced."""
-    worker = Worker(interpret=True)
+    worker = Worker(interpret=True, zygote=zygote)
     try:
         pid = worker._process.pid
         threading.Timer(2.0, os.kill, (pid, signal.SIGTERM)).start()
@@ -139,10 +140,10 @@ def test_a_stopped_worker_is_not_the_variants_failure():
         worker.close()
 
 
-def test_a_worker_whose_host_is_gone_ends_quietly(capfd):
+def test_a_worker_whose_host_is_gone_ends_quietly(capfd, zygote):
     """A host stopped by a signal may close its end of the pipe before its exit ends the workers
     (seen once under load): the worker ends without a traceback on the terminal."""
-    worker = Worker(interpret=True)
+    worker = Worker(interpret=True, zygote=zygote)
     worker._killed = True  # close() sends nothing: the pipe just closes, as when the host dies
     worker._conn.close()
     worker._process.join(30)
@@ -156,12 +157,16 @@ def _trials(url, gpu, problem):
 
 
 def _held(url, gpu, problem, process: subprocess.Popen) -> list[int]:
-    """Wait until the tuning process holds a trial it is evaluating; their numbers."""
+    """Wait until the tuning process holds a trial it is evaluating; their numbers. Forked workers
+    get through a tiny trial in a fraction of a second, sooner than this notices it and a signal
+    goes round: they are paused as they start, holding what they hold until the signal's
+    give-back kills them."""
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise AssertionError(f"the tuning process ended before it held a trial:\n{process.stdout.read()}")
-        time.sleep(0.2)
+        _pause_workers(process.pid)
+        time.sleep(0.05)
         try:
             trials = _trials(url, gpu, problem)
         except KeyError:  # the study is not created yet
@@ -172,6 +177,27 @@ def _held(url, gpu, problem, process: subprocess.Popen) -> list[int]:
         if held:
             return held
     raise AssertionError("the tuning process never held a trial")
+
+
+def _pause_workers(host: int) -> None:
+    """SIGSTOP the workers the ranks under `host` forked (tuning/zygote.py names them). A rank run
+    in the host itself spawns its workers, which take seconds to start: they are left alone."""
+    parents, names = {}, {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    name, rest = stat.read().split(" (", 1)[1].rsplit(") ", 1)
+                parents[int(entry)], names[int(entry)] = int(rest.split()[1]), name
+            except (OSError, IndexError, ValueError):
+                continue  # ended meanwhile
+    for pid, name in names.items():
+        ancestor = parents.get(pid)
+        while ancestor not in (None, 0, 1, host):
+            ancestor = parents.get(ancestor)
+        if ancestor == host and name == "tunegen-worker":
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
 
 
 def _last_copy(trials, number):

@@ -9,6 +9,7 @@ import json
 import os
 import sqlite3
 import time
+from collections import deque
 
 import optuna
 import pytest
@@ -20,7 +21,7 @@ from tunegen.cli.main import main
 from tunegen.kernels.gpu import interpreter_gpu
 from tunegen.tuning import study, timeline
 from tunegen.tuning import tuner as tuner_module
-from tunegen.tuning.flight import FIRST_AHEAD, Flight
+from tunegen.tuning.flight import FIRST_AHEAD, STRAGGLER, Flight, Pending
 from tunegen.tuning.study import evaluated, study_name
 from tunegen.tuning.timeline import Span, Timeline, problem_label
 from tunegen.tuning.trial import compile_task
@@ -88,6 +89,31 @@ def test_flight_keeps_a_compile_over_a_timing_ahead_of_the_gpu():
     slow.compiled(30.0)
     slow.timed(0.1)
     assert slow.depth() == 3, "never more than there are compile workers"
+
+
+def test_a_straggling_compile_is_not_counted_as_coming_for_the_gpu():
+    """One compile in ten takes several times the median: the GPU is not left to wait on it."""
+    flight = Flight(compile_workers=8)
+    flight.compiled(1.0)
+    flight.timed(0.5)
+    assert flight.depth() == 4
+    now = time.monotonic()
+
+    def pending(age: float, problem=PROBLEMS[0]) -> Pending:
+        return Pending(problem, None, None, {}, since=now - age)
+
+    flight.compiling = {object(): pending(0.5) for _ in range(3)}
+    assert flight.short() and flight.short(PROBLEMS[0]), "three coming, four wanted"
+    flight.compiling[object()] = pending(0.5)
+    assert not flight.short(), "four coming"
+    flight.compiling = {object(): pending(STRAGGLER * 1.0 + 1) for _ in range(3)}
+    flight.compiling[object()] = pending(0.5)
+    assert flight.short(), "three stragglers count for none"
+    flight.ready[PROBLEMS[0]] = deque(pending(0) for _ in range(3))
+    assert not flight.short() and not flight.short(PROBLEMS[0]), "one coming, three compiled"
+    assert flight.short(PROBLEMS[1]), "none of the next Problem's"
+    flight.compiling.update({object(): pending(STRAGGLER * 1.0 + 1) for _ in range(4)})
+    assert not flight.short(PROBLEMS[1]), "no compile worker free"
 
 
 def _wait(payload):

@@ -42,8 +42,8 @@ def _echo(payload):
     return {"status": "ok", "pid": os.getpid(), **payload}
 
 
-def test_workers_survive_crashes_and_hangs():
-    worker = Worker(interpret=True)
+def test_workers_survive_crashes_and_hangs(zygote):
+    worker = Worker(interpret=True, zygote=zygote)
     try:
         first = worker.call(_echo, {"x": 1}, timeout=60)
         assert first["x"] == 1
@@ -59,7 +59,7 @@ def test_workers_survive_crashes_and_hangs():
         assert again["x"] == 2 and again["pid"] != first["pid"]
     finally:
         worker.close()
-    pool = WorkerPool(2, interpret=True)
+    pool = WorkerPool(2, interpret=True, zygote=zygote)
     try:
         futures = [pool.submit(_echo, {"i": i}, timeout=60) for i in range(5)]
         results = [f.result() for f in futures]

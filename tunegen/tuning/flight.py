@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import math
+import time
 from collections import deque
 from typing import Any
 
@@ -28,6 +29,9 @@ GPU_QUEUE = 2
 FIRST_AHEAD = 4
 # Weight of the newest measurement in the running compile and timing estimates.
 SMOOTHING = 0.3
+# A compile running this many times longer than the estimate is a straggler: it is not counted
+# as coming for the GPU (one in ten took 2.5-4.5 s on the 2 x H200 host, against a median of 1 s).
+STRAGGLER = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +42,7 @@ class Pending:
     trial: optuna.Trial | None
     variant: Variant | None
     payload: dict[str, Any]
+    since: float = dataclasses.field(default_factory=time.monotonic)
 
 
 @dataclasses.dataclass
@@ -71,6 +76,21 @@ class Flight:
         if problem is not None:
             return compiling + len(self.ready.get(problem, ()))
         return compiling + sum(len(q) for q in self.ready.values())
+
+    def short(self, problem: Problem | None = None) -> bool:
+        """Whether the GPU needs more trials started (of `problem`, or of any): fewer than the
+        depth are coming, counting the compiled ones and the compiles not yet stragglers, and a
+        compile worker is free to take one."""
+        if len(self.compiling) >= self.workers:
+            return False
+        late = None if self.compile_s is None else time.monotonic() - STRAGGLER * self.compile_s
+        coming = sum(
+            1
+            for p in self.compiling.values()
+            if problem in (None, p.problem) and (late is None or p.since >= late)
+        )
+        ready = len(self.ready.get(problem, ())) if problem else sum(len(q) for q in self.ready.values())
+        return coming + ready < self.depth()
 
     def depth(self) -> int:
         """How many trials to keep ahead of the GPU: a compile's time over a timing's, plus two

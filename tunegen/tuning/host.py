@@ -33,6 +33,7 @@ from tunegen.tuning.options import MAX_SEED
 from tunegen.tuning.ranks import Rank, cores
 from tunegen.tuning.timeline import TUNER, WAIT_HOST, Span
 from tunegen.tuning.tuner import TuneOptions, Tuner
+from tunegen.tuning.zygote import Zygote, usable
 
 # A rank that dies more often than this on one GPU stops the run (its GPU is likely unusable).
 MAX_RESTARTS = 3
@@ -79,10 +80,12 @@ def _rank_main(
                 raise SystemExit(1)
         return conn.recv()
 
+    # Its workers are forked by a copy of it made now, with one thread and no CUDA (zygote.py).
+    zygote = Zygote() if usable() else None
     try:
         position, ranks = share
         peers = {p for j, p in enumerate(problems) if j % ranks == position}
-        with raising(), Tuner(rank.gpu, options, times_peers=peers.__contains__) as tuner:
+        with raising(), Tuner(rank.gpu, options, times_peers=peers.__contains__, zygote=zygote) as tuner:
 
             def checkpoint(searched: int | None, more: bool) -> str:
                 conn.send(("spans", tuner.timeline.take()))
@@ -111,6 +114,9 @@ def _rank_main(
     except Exception as exc:
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         raise SystemExit(1) from None
+    finally:
+        if zygote is not None:
+            zygote.close()
 
 
 @dataclasses.dataclass
@@ -138,8 +144,8 @@ class _Host:
         self.finished = finished
         self.record = record
         # Ranks are forked on Linux, starting with what this process imported (seconds each). A
-        # rank never calls CUDA nor writes to the terminal (its workers are spawned afresh), so
-        # neither this process's CUDA state nor its threads (the progress display) reach into it.
+        # rank never calls CUDA nor writes to the terminal, and forks its workers through a zygote
+        # only where this process has not touched CUDA (`zygote.usable`).
         self.context = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
         self.states = [_State(rank, position) for position, rank in enumerate(ranks)]
         self.outcomes: dict[tuple[Gpu, int], Outcome] = {}

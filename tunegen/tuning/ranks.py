@@ -1,14 +1,19 @@
-"""Which GPUs a multi-GPU tuning run uses and how its ranks share the host: `--gpus` parsed to
-device indices, one Rank per device (the CUDA_VISIBLE_DEVICES entry it is shown), ranks grouped
-by GPU model, and each rank's share of the CPU cores."""
+"""Which GPUs a tuning run uses and how its ranks share the host: the host's CUDA devices,
+`--gpus` parsed to device indices, one Rank per device (the CUDA_VISIBLE_DEVICES entry it is
+shown), ranks grouped by GPU model, and each rank's share of the CPU cores."""
 
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 import os
 from collections.abc import Callable
+from typing import Any
 
-from tunegen.kernels.gpu import Gpu
+import torch
+
+from tunegen.kernels.gpu import Gpu, cuda_gpu
+from tunegen.tuning import zygote
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +30,38 @@ class Rank:
     def name(self) -> str:
         """How the timeline and messages name the rank."""
         return f"{'stand-in' if self.gpu.backend == 'interpreter' else 'GPU'} {self.index}"
+
+
+def cuda_gpus() -> list[Gpu]:
+    """This host's CUDA devices, as CUDA_VISIBLE_DEVICES shows them (none without CUDA). Asked in
+    a forked child where this process has not touched CUDA yet: once a process asks CUDA anything,
+    even whether it is there, the processes it forks can no longer use it, and the ranks and their
+    workers are forked from this one (zygote.py). Asked here where that was too late."""
+    if not zygote.usable():
+        return _devices()
+    context = multiprocessing.get_context("fork")
+    ours, theirs = context.Pipe(duplex=False)
+    child = context.Process(target=_send_devices, args=(theirs,), daemon=True)
+    child.start()
+    theirs.close()
+    try:
+        found = ours.recv()
+    except EOFError:
+        child.join()
+        raise RuntimeError(f"querying this host's CUDA devices died (exit code {child.exitcode})") from None
+    finally:
+        ours.close()
+        child.join()
+    return _devices() if found is None else found
+
+
+def _devices() -> list[Gpu]:
+    return [cuda_gpu(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+
+
+def _send_devices(conn: Any) -> None:
+    # None: this process's parent had asked CUDA something already, which forking cannot undo
+    conn.send(None if torch.cuda._is_in_bad_fork() else _devices())
 
 
 def select(spec: str, count: int) -> list[int]:

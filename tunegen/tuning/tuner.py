@@ -40,16 +40,21 @@ from tunegen.tuning.timeline import GPU, SAMPLER, TUNER, Timeline, problem_label
 from tunegen.tuning.timing import rate
 from tunegen.tuning.trial import compile_task, evaluate_task, peers_task, warm_task
 from tunegen.tuning.workers import Worker, WorkerPool
+from tunegen.tuning.zygote import Zygote
 from tunegen.tuning_db import FailureRecord
 
 
 class Tuner(FinalRound):
-    """Tunes Problems on one Gpu; holds the worker processes and the database between Problems.
-    `times_peers` says for which Problems this process times the peers (the processes sharing
-    a study split them; whoever finishes a Problem times them where nobody did)."""
+    """Tunes Problems on one Gpu; holds the worker processes (forked by `zygote` where given) and
+    the database between Problems. `times_peers`: the Problems whose peers this process times (the
+    processes sharing a study split them; whoever finishes a Problem times them where nobody did)."""
 
     def __init__(
-        self, gpu: Gpu, options: TuneOptions, times_peers: Callable[[Problem], bool] = lambda problem: True
+        self,
+        gpu: Gpu,
+        options: TuneOptions,
+        times_peers: Callable[[Problem], bool] = lambda problem: True,
+        zygote: Zygote | None = None,
     ) -> None:
         self.gpu = gpu
         self.options = options
@@ -60,20 +65,20 @@ class Tuner(FinalRound):
         warm = {"backend": gpu.backend}
         with self.timeline.span(TUNER, "starting workers"):
             # The timing worker first: its CUDA context is the first thing the GPU waits for.
-            self.timer = Worker(interpret=interpret, cpus=cpus and cpus[:1])
+            self.timer = Worker(interpret=interpret, cpus=cpus and cpus[:1], zygote=zygote)
             self._timing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tunegen-timing")
             self._timing.submit(self._on_gpu, "warm-up", None, warm_task, warm)
-            first = min(options.workers, FIRST_AHEAD)
             self.pool = WorkerPool(
                 options.workers,
                 interpret=interpret,
                 cpus=cpus and cpus[1:],
                 timeline=self.timeline,
-                start=first,
+                start=min(options.workers, FIRST_AHEAD),
+                zygote=zygote,
             )
-            for _ in range(first):
+            for _ in range(self.pool.started):
                 self.pool.submit(warm_task, warm, options.trial_timeout, ("warm-up", ""))
-        # The workers start (seconds of imports and a CUDA context each) while the database opens.
+        # The workers start (a CUDA context each, spawned ones their imports) while the database opens.
         try:
             self.store = open_store(self.url)
             self.storage = studies.storage(self.url, options.heartbeat_s, options.grace_s)
@@ -171,9 +176,8 @@ class Tuner(FinalRound):
     ) -> None:
         """Evaluate trials of `problem` until `trials` are evaluated or held (by any process
         sharing the study), the time limit passes, or the space runs out. Once `problem` has no
-        trial left to ask for, the compile workers go on to the first trials of `then` (the
-        Problem searched next), and the GPU times those compiled while `problem`'s last compiles
-        finish: neither waits for the other at the boundary."""
+        trial left to ask for, the workers compile the first trials of `then` (the Problem searched
+        next) and the GPU times them while `problem`'s last compiles finish: neither waits."""
         asks = self._asks.get(problem) or self._asking(problem)
         self._asks[problem] = asks
         if progress is not None:  # trials timed while the Problem before it finished count too
@@ -224,12 +228,11 @@ class Tuner(FinalRound):
         return asks.more and studies.claimed(study) < opts.trials
 
     def _fill(self, problem: Problem, then: Problem | None, progress) -> bool:
-        """Ask for trials and start compiling them, `problem`'s first, then `then`'s, while fewer
-        than the flight's depth are ahead of the GPU; whether `problem` has trials left to ask.
-        An ask takes tens of milliseconds: after each, what finished meanwhile is taken and the
-        GPU's queue refilled, so that a compiled trial never waits for the asks to end."""
+        """Ask for trials and start compiling them, `problem`'s first, then `then`'s, while the GPU
+        is short of them (Flight.short); whether `problem` has trials left to ask. After
+        each ask (tens of ms) the GPU's queue is refilled: a compiled trial never waits for the asks."""
         asks = self._asks[problem]
-        while self.flight.ahead(problem) < self.flight.depth():
+        while self.flight.short(problem):
             if not self._can_ask(problem, asks):
                 break
             self._ask(problem, asks)
@@ -239,7 +242,7 @@ class Tuner(FinalRound):
         if then is not None:
             ahead = self._asks.get(then) or self._asking(then)
             self._asks[then] = ahead
-            while self.flight.ahead() < self.flight.depth() and self._can_ask(then, ahead):
+            while self.flight.short() and self._can_ask(then, ahead):
                 self._ask(then, ahead)
                 self._collect(problem, progress)
         return False

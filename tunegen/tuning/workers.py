@@ -15,9 +15,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from tunegen.kernels.render import interpreting
 from tunegen.tuning.interrupt import SLICE_S, blocked, check, unblock
 from tunegen.tuning.timeline import Timeline, compile_lane
+from tunegen.tuning.zygote import Forked, Zygote
 
 Task = Callable[[dict[str, Any]], dict[str, Any]]
 
@@ -45,27 +48,57 @@ def _serve(conn: Any) -> None:
         return
 
 
-class Worker:
-    """One spawned child process; Triton in it interprets kernels or compiles them, as asked. With
-    `cpus`, it and what it starts (the compiler's assembler) run on those cores only."""
+def _serve_forked(conn: Any, cpus: tuple[int, ...] | None, interpret: bool) -> None:
+    """A forked worker: what a spawned one gets from its parent (TRITON_INTERPRET, which Triton
+    reads as it decorates a kernel, and its cores), then `_serve`. Its CPU ops run on one thread,
+    as PyTorch's forked DataLoader workers do: GNU OpenMP's threads do not survive a fork, and a
+    parallel region (a float64 reference's matmul) would wait for them for good where an
+    ancestor process had started them."""
+    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+    torch.set_num_threads(1)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    _serve(conn)
 
-    def __init__(self, *, interpret: bool, cpus: tuple[int, ...] | None = None) -> None:
+
+class Worker:
+    """One child process; Triton in it interprets kernels or compiles them, as asked. With `cpus`,
+    it and what it starts (the compiler's assembler) run on those cores only. Forked by `zygote`
+    where one is given (starting in milliseconds with this process's imports), else spawned."""
+
+    def __init__(
+        self, *, interpret: bool, cpus: tuple[int, ...] | None = None, zygote: Zygote | None = None
+    ) -> None:
         self.interpret = interpret
         self.cpus = cpus
+        self._zygote = zygote
         self._killed = False
         self._stopping = False
         self._start()
 
     def _start(self) -> None:
+        self._conn, child = multiprocessing.Pipe()
+        self._process = self._fork(child) or self._spawn(child)
+        child.close()
+
+    def _fork(self, child: Any) -> Forked | None:
+        if self._zygote is None:
+            return None
+        try:
+            return self._zygote.start(_serve_forked, child, self.cpus, self.interpret)
+        except OSError:  # the zygote is gone: this worker is spawned from now on
+            self._zygote = None
+            return None
+
+    def _spawn(self, child: Any) -> Any:
         context = multiprocessing.get_context("spawn")
-        self._conn, child = context.Pipe()
         # The child reads TRITON_INTERPRET when it first imports Triton.
         with interpreting(self.interpret), blocked():
-            self._process = context.Process(target=_serve, args=(child,), daemon=True)
-            self._process.start()
+            process = context.Process(target=_serve, args=(child,), daemon=True)
+            process.start()
         if self.cpus and hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(self._process.pid, self.cpus)
-        child.close()
+            os.sched_setaffinity(process.pid, self.cpus)
+        return process
 
     def call(self, task: Task, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
         """Run `task(payload)` in the child; a death or overrun becomes a failed result, or one with
@@ -128,7 +161,7 @@ class WorkerPool:
     worker makes its own CUDA context, which the driver creates one at a time: workers that
     would sit idle would only delay the first compiles. Free workers are taken most recently
     freed first, so the ones already warm stay in use. With a `timeline`, each task is recorded
-    on its worker's lane."""
+    on its worker's lane; with a `zygote`, the workers are forked by it (Worker)."""
 
     def __init__(
         self,
@@ -138,10 +171,12 @@ class WorkerPool:
         cpus: tuple[int, ...] | None = None,
         timeline: Timeline | None = None,
         start: int | None = None,
+        zygote: Zygote | None = None,
     ) -> None:
         self._size = max(1, size)
         self._interpret = interpret
         self._cpus = cpus
+        self._zygote = zygote
         self._timeline = timeline
         self._free: queue.LifoQueue[tuple[int, Worker]] = queue.LifoQueue()
         self._all: list[Worker] = []
@@ -162,7 +197,7 @@ class WorkerPool:
         return len(self._all)
 
     def _new(self) -> tuple[int, Worker]:
-        worker = Worker(interpret=self._interpret, cpus=self._cpus)
+        worker = Worker(interpret=self._interpret, cpus=self._cpus, zygote=self._zygote)
         self._all.append(worker)
         return len(self._all) - 1, worker
 

@@ -1,0 +1,112 @@
+"""Workers forked by a zygote: started from a clean copy of the tuning process, with what a spawned
+worker gets (TRITON_INTERPRET, its cores), none of its parent's pipes, and spawned instead once
+the zygote is gone; the host's CUDA devices read without touching CUDA in this process."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+from conftest import HAS_CUDA
+
+from tunegen.tuning import ranks
+from tunegen.tuning.workers import Worker, WorkerPool
+from tunegen.tuning.zygote import Zygote, usable
+
+pytestmark = pytest.mark.skipif(not usable(), reason="workers are forked on Linux by a process without CUDA")
+
+
+def _about(payload):
+    fd = payload["fd"]
+    try:
+        os.fstat(fd)
+        inherited = True
+    except OSError:
+        inherited = False
+    return {
+        "status": "ok",
+        "pid": os.getpid(),
+        "parent": os.getppid(),
+        "interpret": os.environ.get("TRITON_INTERPRET"),
+        "cpus": sorted(os.sched_getaffinity(0)),
+        "inherited": inherited,
+    }
+
+
+def test_a_forked_worker_gets_what_a_spawned_one_does_and_no_more():
+    read, write = os.pipe()  # a pipe of this process's made before the zygote: not the workers'
+    zygote = Zygote()
+    cpus = (sorted(os.sched_getaffinity(0))[-1],)
+    try:
+        for interpret in (True, False):
+            worker = Worker(interpret=interpret, cpus=cpus, zygote=zygote)
+            try:
+                got = worker.call(_about, {"fd": write}, timeout=60)
+            finally:
+                worker.close()
+            assert got["parent"] == zygote.pid and got["pid"] != zygote.pid
+            assert got["interpret"] == ("1" if interpret else "0")
+            assert got["cpus"] == list(cpus)
+            assert not got["inherited"], "the zygote closed its parent's pipes"
+    finally:
+        zygote.close()
+        os.close(read)
+        os.close(write)
+
+
+def _matmul(payload):
+    a = torch.randn(8, 128, 128, dtype=torch.float64)
+    return {"status": "ok", "sum": float((a @ a).sum())}
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="needs CPU ops on two threads or more")
+def test_a_forked_worker_runs_cpu_ops_after_its_ancestor_ran_them_on_threads():
+    """GNU OpenMP's threads, started here by a parallel op, do not survive the forks: a worker's
+    float64 reference would wait for them for good unless it runs its CPU ops on one thread."""
+    a = torch.randn(8, 128, 128, dtype=torch.float64)
+    (a @ a).sum()
+    zygote = Zygote()
+    worker = Worker(interpret=True, zygote=zygote)
+    try:
+        assert worker.call(_matmul, {}, timeout=30)["status"] == "ok"
+    finally:
+        worker.close()
+        zygote.close()
+
+
+def test_exit_codes_and_pids_are_reported_and_the_dead_are_reaped():
+    zygote = Zygote()
+    try:
+        worker = Worker(interpret=True, zygote=zygote)
+        first = worker._process
+        os.kill(first.pid, signal.SIGKILL)
+        first.join(30)
+        assert first.exitcode == -signal.SIGKILL and not first.is_alive()
+        worker._restart()  # what a call that found it dead does
+        assert worker._process.pid != first.pid and worker._process.is_alive()
+        worker.close()
+        assert worker._process.exitcode == 0, "asked to stop, it ends cleanly"
+        assert zygote.wait(os.getpid(), 0) == (True, None), "not one of its workers"
+    finally:
+        zygote.close()
+
+
+def test_workers_are_spawned_once_the_zygote_is_gone():
+    zygote = Zygote()
+    os.kill(zygote.pid, signal.SIGKILL)
+    os.waitpid(zygote.pid, 0)
+    pool = WorkerPool(2, interpret=True, zygote=zygote, start=1)
+    try:
+        got = pool.submit(_about, {"fd": -1}, timeout=60).result()
+        assert got["parent"] == os.getpid(), "spawned by this process"
+    finally:
+        pool.close()
+        zygote.close()
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the test process has asked CUDA already (conftest)")
+def test_the_hosts_devices_are_read_without_cuda_here():
+    assert ranks.cuda_gpus() == []
+    assert usable(), "asking left this process able to fork workers that use CUDA"
