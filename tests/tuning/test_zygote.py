@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import os
 import signal
+import sqlite3
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -36,19 +39,23 @@ def _about(payload):
 
 
 def test_a_forked_worker_gets_what_a_spawned_one_does_and_no_more():
+    """And a worker for the mode this process's Triton was not imported in is spawned."""
     read, write = os.pipe()  # a pipe of this process's made before the zygote: not the workers'
     zygote = Zygote()
     cpus = (sorted(os.sched_getaffinity(0))[-1],)
     try:
-        for interpret in (True, False):
+        for interpret in (zygote.interpret, not zygote.interpret):
             worker = Worker(interpret=interpret, cpus=cpus, zygote=zygote)
             try:
                 got = worker.call(_about, {"fd": write}, timeout=60)
             finally:
                 worker.close()
-            assert got["parent"] == zygote.pid and got["pid"] != zygote.pid
             assert got["interpret"] == ("1" if interpret else "0")
             assert got["cpus"] == list(cpus)
+            if interpret != zygote.interpret:  # Triton here was imported for the other mode
+                assert got["parent"] == os.getpid(), "spawned"
+                continue
+            assert got["parent"] == zygote.pid and got["pid"] != zygote.pid
             assert not got["inherited"], "the zygote closed its parent's pipes"
     finally:
         zygote.close()
@@ -68,7 +75,7 @@ def test_a_forked_worker_runs_cpu_ops_after_its_ancestor_ran_them_on_threads():
     a = torch.randn(8, 128, 128, dtype=torch.float64)
     (a @ a).sum()
     zygote = Zygote()
-    worker = Worker(interpret=True, zygote=zygote)
+    worker = Worker(interpret=zygote.interpret, zygote=zygote)
     try:
         assert worker.call(_matmul, {}, timeout=30)["status"] == "ok"
     finally:
@@ -79,7 +86,7 @@ def test_a_forked_worker_runs_cpu_ops_after_its_ancestor_ran_them_on_threads():
 def test_exit_codes_and_pids_are_reported_and_the_dead_are_reaped():
     zygote = Zygote()
     try:
-        worker = Worker(interpret=True, zygote=zygote)
+        worker = Worker(interpret=zygote.interpret, zygote=zygote)
         first = worker._process
         os.kill(first.pid, signal.SIGKILL)
         first.join(30)
@@ -110,3 +117,22 @@ def test_workers_are_spawned_once_the_zygote_is_gone():
 def test_the_hosts_devices_are_read_without_cuda_here():
     assert ranks.cuda_gpus() == []
     assert usable(), "asking left this process able to fork workers that use CUDA"
+
+
+def test_a_dry_run_from_a_process_whose_triton_compiles_spawns_interpreting_workers(tmp_path):
+    """`tunegen tune --dry-run` where TRITON_INTERPRET is not set: Triton is imported to compile,
+    and forked workers could not interpret (each trial would be recorded as failed)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    url = f"sqlite:///{tmp_path / 'dry.db'}"
+    args = ["--dry-run", "--shape", "4,2,32", "--seqlens", "512", "--causal", "no", "--gpus", "2"]
+    done = subprocess.run(
+        [sys.executable, "-m", "tunegen.cli.main", "tune", *args, "--db", url],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    with sqlite3.connect(tmp_path / "dry.db") as db:
+        assert db.execute("SELECT reason FROM tunegen_failures").fetchall() == [], "no trial failed"
+        assert db.execute("SELECT COUNT(*) FROM tunegen_winners").fetchone() == (1,)

@@ -64,7 +64,8 @@ def _serve_forked(conn: Any, cpus: tuple[int, ...] | None, interpret: bool) -> N
 class Worker:
     """One child process; Triton in it interprets kernels or compiles them, as asked. With `cpus`,
     it and what it starts (the compiler's assembler) run on those cores only. Forked by `zygote`
-    where one is given (starting in milliseconds with this process's imports), else spawned."""
+    where one is given for its mode (starting in milliseconds with this process's imports), else
+    spawned."""
 
     def __init__(
         self, *, interpret: bool, cpus: tuple[int, ...] | None = None, zygote: Zygote | None = None
@@ -82,8 +83,8 @@ class Worker:
         child.close()
 
     def _fork(self, child: Any) -> Forked | None:
-        if self._zygote is None:
-            return None
+        if self._zygote is None or self._zygote.interpret != self.interpret:
+            return None  # spawned: its Triton imported in the mode it needs
         try:
             return self._zygote.start(_serve_forked, child, self.cpus, self.interpret)
         except OSError:  # the zygote is gone: this worker is spawned from now on

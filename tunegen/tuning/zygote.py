@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from tunegen.kernels.gpu import interpreting
 from tunegen.tuning.interrupt import blocked
 
 # How often the zygote looks whether a worker it is asked to wait for has ended.
@@ -48,9 +49,12 @@ def usable() -> bool:
 
 class Zygote:
     """The clean copy of this process that forks its workers. Make it before this process starts
-    a thread or touches CUDA (`usable`); it ends when this process closes it or dies."""
+    a thread or touches CUDA (`usable`); it ends when this process closes it or dies. Triton fixes
+    as it is imported whether its own library functions are interpreted, so its workers interpret
+    kernels or compile them as this process's Triton does (`interpret`), never the other way."""
 
     def __init__(self) -> None:
+        self.interpret = interpreting()
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._lock = threading.Lock()
         with blocked():  # it keeps SIGINT and SIGTERM blocked; the workers unblock them (workers._serve)
