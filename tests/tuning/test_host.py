@@ -129,6 +129,39 @@ def test_two_stand_ins_divide_the_trials(tmp_path, kill):
             assert trials[number].state == TrialState.FAIL and not evaluated(trials[number])
 
 
+class _Pipe:
+    def __init__(self) -> None:
+        self.sent: list[tuple] = []
+
+    def send(self, message: tuple) -> None:
+        self.sent.append(message)
+
+
+def test_final_rounds_are_spread_over_the_ranks_of_a_model():
+    """The rank that finishes searching a Problem last takes its final round, unless it has had
+    more of them than a rank with Problems left to search, which takes it at its next stop; at
+    the end each rank takes one, side by side."""
+    ranks = [placement.Rank(i, None, GPU) for i in range(2)]
+    problems = [PROBLEMS[0], PROBLEMS[1], PROBLEMS[0]]
+    run = host._Host(problems, ranks, FAST, lambda *a: None, lambda *a: None, lambda *a: None)
+    a, b = run.states
+    a.conn, b.conn = _Pipe(), _Pipe()
+
+    def say(state, searched, more):
+        before = len(state.conn.sent)
+        run._handle(state, ("ready", searched, more))
+        return state.conn.sent[before:]
+
+    assert say(a, 0, True) == [("go",)], "Problem 0 is not searched by both yet"
+    assert say(b, 0, True) == [("finalize", 0)], "the last to finish searching it"
+    assert say(b, None, True) == [("go",)]
+    assert say(a, 1, True) == [("go",)]
+    assert say(b, 1, True) == [("go",)], "b had one more final round than a, which will stop again"
+    assert say(a, 2, False) == [("finalize", 1)], "a takes it at its next stop"
+    assert say(b, 2, False) == [("finalize", 2)], "and the last one goes to b meanwhile"
+    assert (a.finals, b.finals) == (1, 2)
+
+
 def _tune_forever(url):
     with Tuner(GPU, dataclasses.replace(FAST, trials=50, url=url)) as tuner:
         tuner.tune(PROBLEMS[0])

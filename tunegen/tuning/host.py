@@ -132,6 +132,7 @@ class _State:
     more: bool = True
     restarts: int = 0
     done: bool = False
+    finals: int = 0  # final rounds handed to it
 
 
 class _Host:
@@ -194,9 +195,10 @@ class _Host:
     def _answer(self, state: _State) -> None:
         gpu = state.rank.gpu
         ready = self._ready(gpu)
-        if ready:
+        if ready and self._takes_final(state):
             self.assigned.add((gpu, ready[0]))
             state.finalizing.append(ready[0])
+            state.finals += 1
             message: tuple = ("finalize", ready[0])
         elif state.more:
             message = ("go",)
@@ -208,6 +210,14 @@ class _Host:
         state.waiting = False
         with contextlib.suppress(OSError):  # a rank that just died: revived on the next sweep
             state.conn.send(message)
+
+    def _takes_final(self, state: _State) -> bool:
+        """Whether the rank asking takes a searched Problem's final round: not while it has had
+        more of them than a rank of its model that has Problems left to search, which takes it at
+        its next stop. Handed to whoever finished searching last, they piled up on one GPU (all
+        three of llama3-8b's on 2 x H200), and the other GPU waited for it at the end."""
+        others = [s.finals for s in self._members(state.rank.gpu) if s is not state and s.more]
+        return not state.more or not others or state.finals <= min(others)
 
     def _answer_waiting(self, gpu: Gpu) -> None:
         for state in self._members(gpu):
