@@ -9,6 +9,8 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -97,6 +99,54 @@ def test_exit_codes_and_pids_are_reported_and_the_dead_are_reaped():
         assert worker._process.exitcode == 0, "asked to stop, it ends cleanly"
         assert zygote.wait(os.getpid(), 0) == (True, None), "not one of its workers"
     finally:
+        zygote.close()
+
+
+def _hang(_payload):
+    time.sleep(60)
+
+
+def _state(pid: int) -> str:
+    """The process's state letter: R or S while it runs, Z once it ended; "" once reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(") ", 1)[1].split()[0]
+    except OSError:
+        return ""
+
+
+def test_the_zygote_outlives_a_sigterm_to_the_process_group():
+    """Its signals stay blocked: a SIGTERM to every process of the run (a service manager's stop)
+    ends the workers, reported as stopped, and leaves the zygote to fork their replacements."""
+    zygote = Zygote()
+    worker = Worker(interpret=zygote.interpret, zygote=zygote)
+    try:
+        os.kill(zygote.pid, signal.SIGTERM)
+        threading.Timer(1.0, os.kill, (worker._process.pid, signal.SIGTERM)).start()
+        result = worker.call(_hang, {}, timeout=60)
+        assert result["status"] == "stopped" and "exit code -15" in result["reason"], result
+        assert _state(zygote.pid) in ("R", "S") and worker._process._zygote is zygote
+        assert worker.call(_about, {"fd": -1}, timeout=60)["parent"] == zygote.pid
+    finally:
+        worker.close()
+        zygote.close()
+
+
+def test_a_hung_worker_is_killed_even_once_the_zygote_is_gone():
+    zygote = Zygote()
+    worker = Worker(interpret=zygote.interpret, zygote=zygote)
+    try:
+        hung = worker._process.pid
+        os.kill(zygote.pid, signal.SIGKILL)
+        os.waitpid(zygote.pid, 0)
+        assert worker.call(_hang, {}, timeout=1)["reason"] == "timed out after 1 s"
+        deadline = time.monotonic() + 10
+        while _state(hung) not in ("", "Z") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _state(hung) in ("", "Z"), "killed through its pidfd, its parent gone"
+        assert worker.call(_about, {"fd": -1}, timeout=60)["parent"] == os.getpid(), "then spawned"
+    finally:
+        worker.close()
         zygote.close()
 
 

@@ -6,7 +6,7 @@ study.py, on whatever store is configured), so they divide its trials without du
 different models are separate Gpu identities, each tuning every Problem for itself. This process
 shows the progress, and once every rank of a model has searched a Problem it hands that Problem's
 final round (waiting for stray trials, re-timing the finalists, recording the Winner) to one of
-them, the one that asked, while the others go on to the next Problem. A rank that dies is started
+them (`_takes_final`), while the others go on to the next Problem. A rank that dies is started
 again where it was; its trials are failed by the heartbeat and queued again (study.py).
 """
 
@@ -81,8 +81,11 @@ def _rank_main(
         return conn.recv()
 
     # Its workers are forked by a copy of it made now, with one thread and no CUDA (zygote.py).
-    zygote = Zygote() if usable() else None
+    zygote = None
     try:
+        if usable():
+            with contextlib.suppress(OSError):  # no process to spare: its workers are spawned
+                zygote = Zygote()
         position, ranks = share
         peers = {p for j, p in enumerate(problems) if j % ranks == position}
         with raising(), Tuner(rank.gpu, options, times_peers=peers.__contains__, zygote=zygote) as tuner:

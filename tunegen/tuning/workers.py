@@ -28,7 +28,8 @@ Task = Callable[[dict[str, Any]], dict[str, Any]]
 def _serve(conn: Any) -> None:
     # Ctrl-C reaches every process of the terminal: the parent stops the work and ends this
     # process. SIGTERM ends it (as multiprocessing does at exit); the parent then reports the task
-    # as stopped, never as the Variant's failure. Both were blocked while it started (Worker._start).
+    # as stopped, never as the Variant's failure. Both were blocked while it started
+    # (Worker._spawn; a forked one inherits the zygote's blocked mask).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     unblock()
     # A host stopped by a signal may close the pipe before its exit ends this process: that is

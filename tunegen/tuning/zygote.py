@@ -17,6 +17,7 @@ import contextlib
 import multiprocessing.connection
 import os
 import pickle
+import select
 import signal
 import socket
 import sys
@@ -37,8 +38,10 @@ _MESSAGE = 1 << 16
 
 
 def usable() -> bool:
-    """Whether this process can fork workers that use CUDA: Linux, and CUDA untouched here (nor
-    inherited as touched from a parent that forked this process)."""
+    """Whether this process can fork workers that use CUDA, as far as it can tell: Linux, CUDA not
+    initialized here, and this process not forked from one that had asked CUDA anything. (A
+    question asked here, as `torch.cuda.is_available()`, shows only in the processes forked after
+    it: ranks.cuda_gpus asks its child.)"""
     return (
         sys.platform.startswith("linux")
         and hasattr(socket, "send_fds")
@@ -59,9 +62,9 @@ class Zygote:
         self._lock = threading.Lock()
         with blocked():  # it keeps SIGINT and SIGTERM blocked; the workers unblock them (workers._serve)
             self.pid = os.fork()
-        if self.pid == 0:
-            self._sock.close()
-            _serve_forks(theirs)  # never returns
+            if self.pid == 0:
+                self._sock.close()
+                _serve_forks(theirs)  # never returns
         theirs.close()
 
     def _ask(self, request: tuple, fds: list[int] = ()) -> Any:
@@ -93,25 +96,46 @@ class Zygote:
 
 
 class Forked:
-    """A worker the zygote forked, with what the Worker uses of multiprocessing's Process."""
+    """A worker the zygote forked, with what the Worker uses of multiprocessing's Process. Held by
+    a pidfd as well: killed and waited for even once the zygote is gone, and never confused with
+    a later process given its pid."""
 
     def __init__(self, zygote: Zygote, pid: int) -> None:
         self._zygote = zygote
         self.pid = pid
         self._code: int | None = None
-        self._gone = False  # its exit was seen (or can no longer be): its pid may be another's
+        self._gone = False  # its exit was seen: its pid may be another's
+        self._lock = threading.Lock()
+        try:
+            self._pidfd: int | None = os.pidfd_open(pid)
+        except (AttributeError, OSError):  # Linux before 5.3, or it ended at once
+            self._pidfd = None
 
     def join(self, timeout: float | None = None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._gone:
             left = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
             try:
-                self._gone, self._code = self._zygote.wait(self.pid, max(0.0, left))
-            except OSError:  # the zygote ended: its children went to init, their codes are lost
-                self._gone = True
-                return
+                gone, code = self._zygote.wait(self.pid, max(0.0, left))
+            except OSError:  # the zygote ended (its workers went to init): the code is lost
+                gone, code = self._ended(max(0.0, left)), None
+            if gone:
+                self._code = code
+                self._release()
             if deadline is not None and time.monotonic() >= deadline:
                 return
+
+    def _ended(self, timeout: float) -> bool:
+        if self._pidfd is None:
+            return True
+        return bool(select.select([self._pidfd], [], [], timeout)[0])  # readable once it exits
+
+    def _release(self) -> None:
+        with self._lock:
+            self._gone = True
+            if self._pidfd is not None:
+                os.close(self._pidfd)
+                self._pidfd = None
 
     @property
     def exitcode(self) -> int | None:
@@ -125,8 +149,10 @@ class Forked:
         return not self._gone
 
     def kill(self) -> None:
-        if not self._gone:
-            with contextlib.suppress(ProcessLookupError):
+        with self._lock, contextlib.suppress(ProcessLookupError):
+            if self._pidfd is not None:
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+            elif not self._gone:
                 os.kill(self.pid, signal.SIGKILL)
 
 
@@ -151,6 +177,7 @@ def _serve_forks(sock: socket.socket) -> None:
                 if pid == 0:
                     sock.close()
                     _run(target, fds[0], target_args)
+                codes.pop(pid, None)  # an earlier worker's, whose pid it was given again
                 os.close(fds[0])
                 sock.send(pickle.dumps(pid))
             else:
