@@ -88,7 +88,7 @@ def retime(runs: list[dict], seed: int = 7) -> list[dict]:
     return rows
 
 
-def summary(runs: list[dict], rows: list[dict], device: str) -> str:
+def summary(runs: list[dict], rows: list[dict] | None, device: str) -> str:
     base_run = runs[0]
     lines = [
         f"# `tunegen tune --gpus`: {device}",
@@ -119,6 +119,8 @@ def summary(runs: list[dict], rows: list[dict], device: str) -> str:
                 f"{kinds} | {row['compile_busy']:.0%} of {row['compile_workers']} | {waits} |"
             )
     specs = [run["gpus"] for run in runs]
+    if rows is None:
+        return "\n".join([*lines, "", "Winners not re-timed yet."]) + "\n"
     lines += [
         "",
         "Winners re-timed back to back on GPU 0 (ms, median of interleaved 400 ms runs):",
@@ -152,7 +154,6 @@ def main() -> None:
     # for a cold page cache that the runs after it find warm.
     subprocess.run(["tunegen", "--help"], capture_output=True, check=True)
     runs = [tune(spec, args.preset or ["llama3-8b"], work, extra) for spec in specs]
-    rows = retime([r for r in runs if r["exit_code"] == 0])
     device = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -161,12 +162,14 @@ def main() -> None:
             kept = out.with_name(f"{out.name}_{Path(run['trace']).name}")
             shutil.copyfile(run["trace"], kept)
             run["trace"] = kept.name
-    out.with_suffix(".json").write_text(
-        json.dumps({"device": device, "runs": runs, "problems": rows}, indent=1)
-    )
-    text = summary(runs, rows, device)
-    out.with_suffix(".md").write_text(text)
-    print(text)
+    # Written before the Winners are re-timed too: a run cut short there keeps its walls.
+    for rows in (None, retime([r for r in runs if r["exit_code"] == 0])):
+        out.with_suffix(".json").write_text(
+            json.dumps({"device": device, "runs": runs, "problems": rows}, indent=1)
+        )
+        text = summary(runs, rows, device)
+        out.with_suffix(".md").write_text(text)
+        print(text)
 
 
 if __name__ == "__main__":
