@@ -143,6 +143,29 @@ def test_the_study_database_runs_in_wal_mode(tmp_path):
 
 
 @NEEDS_INTERPRETER
+def test_an_ask_reads_the_study_once_up_to_its_claim_and_once_after(tmp_path, monkeypatch):
+    """Every read of the trials costs a query of every unfinished one (all ranks' in flight): the
+    count against the target, a queued trial to take and the suggestions share one; the check of
+    the others' claims, after this trial's claim, reads afresh."""
+    url = f"sqlite:///{tmp_path / 'reads.db'}"
+    with Tuner(GPU, TuneOptions(trials=6, workers=1, url=url, trial_timeout=300)) as tuner:
+        asks = tuner._asks[PROBLEMS[0]] = tuner._asking(PROBLEMS[0])
+        submitted = []
+        monkeypatch.setattr(tuner.pool, "submit", lambda *args: submitted.append(args) or object())
+        reads = []
+        real = optuna.storages.RDBStorage._get_trials
+        monkeypatch.setattr(
+            optuna.storages.RDBStorage, "_get_trials", lambda *a, **k: reads.append(1) or real(*a, **k)
+        )
+        for _ in range(3):
+            before = len(reads)
+            assert tuner._ask(PROBLEMS[0], asks)
+            assert len(reads) - before == 2
+        assert len(submitted) == 3 - sum(1 for t in asks.study.trials if t.state.name == "PRUNED")
+        tuner.flight.compiling.clear()
+
+
+@NEEDS_INTERPRETER
 def test_the_next_problem_compiles_while_one_finishes_and_loses_no_trial(tmp_path):
     """tune(p0, then=p1) starts p1's first trials; tune(p1) times them: every p1 Variant is
     evaluated once, nothing stays running, and p1's trials were asked before p0 finished."""

@@ -36,8 +36,9 @@ from tunegen.tuning import study as studies
 from tunegen.tuning.final import FinalRound, Outcome
 from tunegen.tuning.flight import FIRST_AHEAD, GPU_QUEUE, Asks, Flight, Pending
 from tunegen.tuning.options import TuneOptions
+from tunegen.tuning.progress import EVERY_S
+from tunegen.tuning.progress import progress as progress_of
 from tunegen.tuning.timeline import GPU, SAMPLER, TUNER, Timeline, problem_label
-from tunegen.tuning.timing import rate
 from tunegen.tuning.trial import compile_task, evaluate_task, peers_task, warm_task
 from tunegen.tuning.workers import Worker, WorkerPool
 from tunegen.tuning.zygote import Zygote
@@ -93,6 +94,7 @@ class Tuner(FinalRound):
         self._asks: dict[Problem, Asks] = {}
         self.flight = Flight(self.pool.size)
         self.times_peers = times_peers
+        self._reported = 0.0  # when progress was last read for a report
 
     def close(self, *, abandon: bool = False, failed: bool = False) -> None:
         """Stop the workers and the heartbeat, close the store. With `abandon` (this process stops
@@ -233,17 +235,15 @@ class Tuner(FinalRound):
         each ask (tens of ms) the GPU's queue is refilled: a compiled trial never waits for the asks."""
         asks = self._asks[problem]
         while self.flight.short(problem):
-            if not self._can_ask(problem, asks):
+            if not self._ask(problem, asks):
                 break
-            self._ask(problem, asks)
             self._collect(problem, progress)
         else:
             return True
         if then is not None:
             ahead = self._asks.get(then) or self._asking(then)
             self._asks[then] = ahead
-            while self.flight.short() and self._can_ask(then, ahead):
-                self._ask(then, ahead)
+            while self.flight.short() and self._ask(then, ahead):
                 self._collect(problem, progress)
         return False
 
@@ -251,18 +251,23 @@ class Tuner(FinalRound):
         self._take({f for f in self.flight.futures() if f.done()}, problem, progress)
         self._dispatch(problem)
 
-    def _ask(self, problem: Problem, asks: Asks) -> None:
-        """One trial from the sampler: screened (pruned with the reason) or sent to compile."""
+    def _ask(self, problem: Problem, asks: Asks) -> bool:
+        """One trial from the sampler, screened (pruned with the reason) or sent to compile; False
+        where `problem` has none left to ask for. Up to its claim, the study's trials are read
+        once (a snapshot: the count, a queued trial to take, the suggestions); after it, afresh."""
         opts, study = self.options, asks.study
         interrupt.check()  # a signal that has arrived stops this process before it takes a trial
         asking = time.time()
-        trial = studies.ask(study)
-        self.heartbeat.hold(trial)
-        asks.asked += 1
-        with self.storage.batched(), self.storage.snapshot():  # one write (owner, Variant, claim), one read
-            trial.set_user_attr("owner", self.owner)
-            params = choose(asks.family, asks.space, trial.suggest_categorical)
-            variant, reason = self._screen(asks.family, params, problem, trial, asks.failures)
+        with self.storage.snapshot():
+            if not self._can_ask(problem, asks):
+                return False
+            trial = studies.ask(study)
+            self.heartbeat.hold(trial)
+            asks.asked += 1
+            with self.storage.batched():  # its owner, its Variant and its claim: one transaction
+                trial.set_user_attr("owner", self.owner)
+                params = choose(asks.family, asks.space, trial.suggest_categorical)
+                variant, reason = self._screen(asks.family, params, problem, trial, asks.failures)
         if reason is None:
             # the claim is written: now see whether another process's rules this trial out
             reason = studies.conflict(study, trial, variant.to_json())
@@ -270,12 +275,13 @@ class Tuner(FinalRound):
         if reason is not None:
             studies.conclude(self.storage, study, trial, {"reason": reason}, state=TrialState.PRUNED)
             self.heartbeat.release(trial)
-            return
+            return True
         payload = self._payload(problem, variant, opts.seed + trial.number)
         future = self.pool.submit(
             compile_task, payload, opts.trial_timeout, (f"trial {trial.number}", problem_label(problem))
         )
         self.flight.compiling[future] = Pending(problem, trial, variant, payload)
+        return True
 
     def _wait(self) -> set[concurrent.futures.Future]:
         """The futures in flight that are done, once one is; a signal stops the wait (and only
@@ -330,7 +336,7 @@ class Tuner(FinalRound):
                     self._peer_measured(study, pending.problem, result)
                 else:
                     self._conclude(study, pending.problem, pending.trial, pending.variant, result)
-                if progress is not None and pending.problem == current:
+                if progress and pending.problem == current and time.monotonic() - self._reported > EVERY_S:
                     progress(self._progress(study, current))
 
     def _conclude(self, study, problem, trial, variant, result) -> None:
@@ -383,18 +389,5 @@ class Tuner(FinalRound):
         return variant, None
 
     def _progress(self, study: optuna.Study, problem: Problem) -> dict[str, Any]:
-        trials = study.get_trials(deepcopy=False)
-        complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
-        done = sum(1 for t in trials if studies.evaluated(t))
-        best = min((t.value for t in complete), default=None)
-        unit, work = get(problem.family).measure(problem)
-        peer = self._peer(study, problem) or {}
-        return {
-            "evaluated": done,
-            "target": self.options.trials,
-            "best_ms": best,
-            "unit": unit,
-            "best_rate": rate(unit, work, best) if best else None,
-            "peer_name": peer.get("name"),
-            "peer_rate": rate(unit, work, peer["ms"]) if peer.get("ms") else None,
-        }
+        self._reported = time.monotonic()
+        return progress_of(study, problem, self.options.trials, self._peer(study, problem) or {})
