@@ -74,7 +74,9 @@ class Tuner(FinalRound):
                 interpret=interpret,
                 cpus=cpus and cpus[1:],
                 timeline=self.timeline,
-                start=min(options.workers, FIRST_AHEAD),
+                # Forked, all at once: one started mid-run took 3-4 s over its first compile (its
+                # CUDA context, Triton's first compile) against 1 s after, stalling the GPU.
+                start=options.workers if zygote else min(options.workers, FIRST_AHEAD),
                 zygote=zygote,
             )
             for _ in range(self.pool.started):

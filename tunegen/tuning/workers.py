@@ -159,11 +159,11 @@ class Worker:
 
 class WorkerPool:
     """Up to `size` Workers for work that may run side by side (compiling), started as the work
-    needs them: `start` at once, one more whenever a task finds every started one busy. Each
-    worker makes its own CUDA context, which the driver creates one at a time: workers that
-    would sit idle would only delay the first compiles. Free workers are taken most recently
-    freed first, so the ones already warm stay in use. With a `timeline`, each task is recorded
-    on its worker's lane; with a `zygote`, the workers are forked by it (Worker)."""
+    needs them: `start` at once, one more whenever a task finds every started one busy. A spawned
+    worker spends seconds on its imports, a forked one does not; each makes its own CUDA context.
+    Free workers are taken most recently freed first, so the ones already warm stay in use. With a
+    `timeline`, each task is recorded on its worker's lane; with a `zygote`, the workers are forked
+    by it (Worker)."""
 
     def __init__(
         self,
