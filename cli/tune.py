@@ -213,7 +213,10 @@ def tune(
         TimeElapsedColumn(),
         TimeRemainingColumn(),
     )
-    with Progress(*columns, console=console) as progress:
+    # Redrawn on each report, by no thread of its own: the ranks (and the workers their zygotes
+    # fork) are forked from this process, and a thread writing to the terminal at that moment
+    # would leave them the stream's lock held for good.
+    with Progress(*columns, console=console, auto_refresh=False) as progress:
         tasks = {
             (gpu, j): progress.add_task(
                 problem_text(p.as_dict()) + (f" on {where[gpu]}" if len(ranks) > 1 else ""),
@@ -228,12 +231,11 @@ def tune(
         def report(gpu, j, state):
             best = f"best {state['best_rate']:.0f} {state['unit']}" if state["best_rate"] else ""
             peer = f"vs {state['peer_name']} {state['peer_rate']:.0f}" if state["peer_rate"] else ""
-            progress.update(
-                tasks[(gpu, j)], completed=min(state["evaluated"], options.trials), best=best, peer=peer
-            )
+            done = min(state["evaluated"], options.trials)
+            progress.update(tasks[(gpu, j)], completed=done, best=best, peer=peer, refresh=True)
 
         def finished(gpu, j, outcome):
-            progress.update(tasks[(gpu, j)], completed=options.trials)
+            progress.update(tasks[(gpu, j)], completed=options.trials, refresh=True)
 
         spans: dict[str, list] = {r.name: [] for r in ranks}
         started = time.time()

@@ -9,6 +9,7 @@ import dataclasses
 import multiprocessing
 import os
 import signal
+import threading
 import time
 
 import optuna
@@ -211,6 +212,24 @@ def test_cli_tunes_on_two_stand_ins(tmp_path):
     for option, value in (("--trials", "0"), ("--trial-timeout", "0"), ("--workers", "0")):
         refused = CliRunner().invoke(main, [*args, option, value])
         assert refused.exit_code == 2 and option in refused.output, refused.output
+
+
+def test_the_ranks_are_forked_while_no_display_thread_runs(tmp_path, monkeypatch):
+    """A thread writing to the terminal as a rank is forked would leave the rank, its zygote and
+    its workers the stream's lock held for good: the progress display has no thread of its own."""
+    seen = []
+    real = host._Host._start
+
+    def start(self, state):
+        seen.append([t for t in threading.enumerate() if type(t).__name__ == "_RefreshThread"])
+        real(self, state)
+
+    monkeypatch.setattr(host._Host, "_start", start)
+    url = f"sqlite:///{tmp_path / 'cli.db'}"
+    args = ["tune", "--db", url, "--shape", "4,2,32", "--seqlens", "512", "--causal", "no", "--dry-run"]
+    result = CliRunner().invoke(main, [*args, "--trials", "2", "--workers", "1", "--gpus", "2"])
+    assert result.exit_code == 0, result.output
+    assert seen == [[], []]
 
 
 def test_preparing_a_database_another_program_is_creating_tries_again(tmp_path, monkeypatch):
