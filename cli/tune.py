@@ -344,8 +344,8 @@ def _refuse_what_does_not_apply(family: str, causal: str, fp8: bool) -> None:
 
 def _ranks(spec: str | None, devices: list) -> list:
     """The GPUs to tune on: `--gpus` among this host's CUDA `devices` (the first without it),
-    or interpreter stand-ins where there are none. Each runs in a process of its own, which
-    forks its workers (tuning/zygote.py)."""
+    or interpreter stand-ins where there are none. Each CUDA one runs in a process of its own,
+    which forks its workers (tuning/zygote.py)."""
     from tunegen.kernels.gpu import interpreter_gpu
     from tunegen.tuning import ranks as placement
 

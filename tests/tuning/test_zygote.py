@@ -16,6 +16,7 @@ import pytest
 import torch
 from conftest import HAS_CUDA
 
+from tunegen.kernels.gpu import interpreting
 from tunegen.tuning import ranks
 from tunegen.tuning.workers import Worker, WorkerPool
 from tunegen.tuning.zygote import Zygote, usable
@@ -34,7 +35,7 @@ def _about(payload):
         "status": "ok",
         "pid": os.getpid(),
         "parent": os.getppid(),
-        "interpret": os.environ.get("TRITON_INTERPRET"),
+        "interpret": interpreting(),
         "cpus": sorted(os.sched_getaffinity(0)),
         "inherited": inherited,
     }
@@ -52,7 +53,7 @@ def test_a_forked_worker_gets_what_a_spawned_one_does_and_no_more():
                 got = worker.call(_about, {"fd": write}, timeout=60)
             finally:
                 worker.close()
-            assert got["interpret"] == ("1" if interpret else "0")
+            assert got["interpret"] == interpret
             assert got["cpus"] == list(cpus)
             if interpret != zygote.interpret:  # Triton here was imported for the other mode
                 assert got["parent"] == os.getpid(), "spawned"

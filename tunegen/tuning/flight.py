@@ -73,9 +73,12 @@ class Flight:
     def ahead(self, problem: Problem | None = None) -> int:
         """Trials compiling or compiled, not yet on the GPU (of `problem`, or of any)."""
         compiling = sum(1 for p in self.compiling.values() if problem in (None, p.problem))
+        return compiling + self._compiled(problem)
+
+    def _compiled(self, problem: Problem | None) -> int:
         if problem is not None:
-            return compiling + len(self.ready.get(problem, ()))
-        return compiling + sum(len(q) for q in self.ready.values())
+            return len(self.ready.get(problem, ()))
+        return sum(len(q) for q in self.ready.values())
 
     def short(self, problem: Problem | None = None) -> bool:
         """Whether the GPU needs more trials started (of `problem`, or of any): fewer than the
@@ -89,8 +92,7 @@ class Flight:
             for p in self.compiling.values()
             if problem in (None, p.problem) and (late is None or p.since >= late)
         )
-        ready = len(self.ready.get(problem, ())) if problem else sum(len(q) for q in self.ready.values())
-        return coming + ready < self.depth()
+        return coming + self._compiled(problem) < self.depth()
 
     def depth(self) -> int:
         """How many trials to keep ahead of the GPU: a compile's time over a timing's, plus two

@@ -109,11 +109,11 @@ class _Storage(optuna.storages.RDBStorage):
     @contextlib.contextmanager
     def snapshot(self) -> Iterator[None]:
         """Inside, this thread's reads of a study's trials are answered from its first: one read
-        (~5 ms) for a trial's suggestions, not TPE's one per knob group and one for its search space.
-        As valid as reads spread over the suggestions: another process's trial written meanwhile is
-        a race either way, and this trial's parameters are in neither (its batch holds them). Not for
-        asking (a queued trial handed out) nor `conflict` (after the claim): they read afresh. Apart
-        from `batched`, which is about writes and which `conclude` uses too. Other threads unaffected."""
+        for an ask up to its claim (the count, a queued trial, TPE's read per knob group and for its
+        search space). As valid as reads spread over it: another process's trial written meanwhile
+        is a race either way, a queued trial is taken only if its state still says queued (checked
+        under the write lock), and this trial's parameters are in neither read (its batch holds
+        them). Not for `conflict`, after the claim, which reads afresh. Other threads unaffected."""
         outer = getattr(self._snap, "reads", None)
         self._snap.reads = [] if outer is None else outer  # nested: the outer one's
         try:

@@ -49,13 +49,11 @@ def _serve(conn: Any) -> None:
         return
 
 
-def _serve_forked(conn: Any, cpus: tuple[int, ...] | None, interpret: bool) -> None:
-    """A forked worker: what a spawned one gets from its parent (TRITON_INTERPRET, which Triton
-    reads as it decorates a kernel, and its cores), then `_serve`. Its CPU ops run on one thread,
-    as PyTorch's forked DataLoader workers do: GNU OpenMP's threads do not survive a fork, and a
-    parallel region (a float64 reference's matmul) would wait for them for good where an
-    ancestor process had started them."""
-    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+def _serve_forked(conn: Any, cpus: tuple[int, ...] | None) -> None:
+    """A forked worker (its Triton already in its mode, `Worker._fork`): its cores, then `_serve`.
+    Its CPU ops run on one thread, as PyTorch's forked DataLoader workers do: GNU OpenMP's threads
+    do not survive a fork, and a parallel region (a float64 reference's matmul) would wait for
+    them for good where an ancestor process had started them."""
     torch.set_num_threads(1)
     if cpus:
         os.sched_setaffinity(0, cpus)
@@ -87,7 +85,7 @@ class Worker:
         if self._zygote is None or self._zygote.interpret != self.interpret:
             return None  # spawned: its Triton imported in the mode it needs
         try:
-            return self._zygote.start(_serve_forked, child, self.cpus, self.interpret)
+            return self._zygote.start(_serve_forked, child, self.cpus)
         except OSError:  # the zygote is gone: this worker is spawned from now on
             self._zygote = None
             return None
