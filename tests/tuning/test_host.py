@@ -62,6 +62,39 @@ def test_selecting_gpus():
             placement.select(spec, 4)
 
 
+def _topology(root, siblings):
+    """A /sys/devices/system/cpu of 2 sockets, each physical core `siblings` hyper-threads,
+    numbered as Linux does (a core's threads 16 apart)."""
+    for cpu in range(32):
+        folder = root / f"cpu{cpu}" / "topology"
+        folder.mkdir(parents=True)
+        core = cpu % 16 if siblings == 2 else cpu
+        (folder / "physical_package_id").write_text(f"{core // 8}\n")
+        (folder / "core_id").write_text(f"{core % 8}\n")
+
+
+@pytest.mark.parametrize("siblings", [1, 2])
+def test_ranks_share_physical_cores_out_and_the_timing_worker_has_its_own(tmp_path, monkeypatch, siblings):
+    _topology(tmp_path, siblings)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)), raising=False)
+    shares = [placement.cores(position, 2, tmp_path) for position in range(2)]
+    threads = {cpu: cpu % 16 if siblings == 2 else cpu for cpu in range(32)}
+    assert not {threads[c] for c in shares[0]} & {threads[c] for c in shares[1]}, "no physical core shared"
+    for share in shares:
+        timing, *rest = share
+        assert threads[timing] not in {threads[c] for c in rest}, "the timing worker's core is its own"
+        assert len(rest) == 16 - siblings
+    alone = placement.cores(0, 1, tmp_path)
+    assert alone[0] == 0 and set(alone) == set(range(32)) - ({16} if siblings == 2 else set())
+    # Few cores: the timing worker's hyper-thread is kept; more ranks than cores: none pinned.
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 16, 17}, raising=False)
+    few = placement.cores(0, 1, tmp_path)
+    assert few == ((0, 16, 1, 17) if siblings == 2 else (0, 1, 16, 17))
+    assert placement.cores(2, 3, tmp_path) == (None if siblings == 2 else (16,))
+    # Without a topology to read, every logical CPU counts as a core.
+    assert placement.cores(1, 2, tmp_path / "none") == (16, 17)
+
+
 def test_gpu_models_are_tuned_apart_and_ranks_see_their_own_device(monkeypatch):
     h100 = dataclasses.replace(GPU, name="NVIDIA H100", backend="cuda", capability=(9, 0))
     h200 = dataclasses.replace(h100, name="NVIDIA H200")

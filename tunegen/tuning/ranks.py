@@ -8,6 +8,7 @@ import dataclasses
 import multiprocessing
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -103,11 +104,39 @@ def groups(ranks: list[Rank]) -> dict[Gpu, list[Rank]]:
     return out
 
 
-def cores(position: int, ranks: int) -> tuple[int, ...] | None:
-    """The CPU cores of the rank at `position` of `ranks`: an equal share of those this process
-    may use (None where the platform cannot pin processes)."""
+# Where Linux describes which logical CPUs share a physical core.
+TOPOLOGY = Path("/sys/devices/system/cpu")
+# From this many physical cores, a rank leaves idle the other hyper-threads of its timing worker's
+# core: the GPU waits on that worker, the compiles have cores to spare.
+TIMING_CORE_ALONE = 4
+
+
+def cores(position: int, ranks: int, topology: Path = TOPOLOGY) -> tuple[int, ...] | None:
+    """The CPU cores of the rank at `position` of `ranks`, its timing worker's first: an equal share
+    of the physical cores this process may use, each with its hyper-threads, so that no two ranks
+    (nor a rank's timing worker and its compiles, from TIMING_CORE_ALONE on) share a physical core.
+    None where the platform cannot pin processes or there are fewer cores than ranks."""
     if not hasattr(os, "sched_getaffinity"):
         return None
-    available = sorted(os.sched_getaffinity(0))
-    share = max(1, len(available) // ranks)
-    return tuple(available[position * share : (position + 1) * share]) or None
+    physical = _physical(sorted(os.sched_getaffinity(0)), topology)
+    share = max(1, len(physical) // ranks)
+    mine = physical[position * share : (position + 1) * share]
+    if not mine:
+        return None
+    (timing, *siblings), *rest = mine
+    kept = siblings if len(mine) < TIMING_CORE_ALONE else []
+    return (timing, *kept, *(cpu for group in rest for cpu in group))
+
+
+def _physical(cpus: list[int], topology: Path) -> list[list[int]]:
+    """`cpus` grouped by the physical core they are hyper-threads of (each alone where `topology`
+    does not say), groups in the order of their first."""
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for cpu in cpus:
+        folder = topology / f"cpu{cpu}" / "topology"
+        try:
+            key = tuple((folder / name).read_text().strip() for name in ("physical_package_id", "core_id"))
+        except OSError:
+            key = ("cpu", str(cpu))
+        groups.setdefault(key, []).append(cpu)
+    return list(groups.values())

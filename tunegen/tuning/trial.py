@@ -6,10 +6,12 @@ Payloads and results are plain dicts (they cross processes).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -19,6 +21,7 @@ from tunegen.kernels.families import base, get
 from tunegen.kernels.gpu import gpu_of
 from tunegen.kernels.problem import Problem
 from tunegen.kernels.reference import tolerance
+from tunegen.kernels.render import cache_dir
 
 
 def _device(payload: dict[str, Any]) -> torch.device:
@@ -61,11 +64,32 @@ def median_ms(
 def warm_task(payload: dict[str, Any]) -> dict[str, Any]:
     """Nothing but what every task needs first: this module's imports (Triton, torch, the
     families), done as it is unpickled, and on a GPU the CUDA context. A worker that gets it at
-    start is ready when its first trial comes, rather than making that trial wait."""
+    start is ready when its first trial comes, rather than making that trial wait. With
+    "one_at_a_time", the context is made under `one_context_at_a_time`."""
     if payload["backend"] == "cuda":
-        torch.empty(1, device="cuda")
-        torch.cuda.synchronize()
+        with one_context_at_a_time() if payload.get("one_at_a_time") else contextlib.nullcontext():
+            torch.empty(1, device="cuda")
+            torch.cuda.synchronize()
     return {"status": "ok"}
+
+
+@contextlib.contextmanager
+def one_context_at_a_time() -> Iterator[None]:
+    """Hold this user's host-wide lock on making CUDA contexts (a file lock in tunegen's cache,
+    released by the kernel if the holder dies). The driver makes contexts no faster side by side:
+    on 2 x H200 (2026-11-26) 17 made at once took 3.4 s and 34 took 6.2 s, every one ending last,
+    so the compile workers of a run wait for each other here and each is ready once its own is
+    made. Without a cache folder to lock in, nobody waits."""
+    try:
+        folder = cache_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        lock = open(folder / "cuda-contexts.lock", "a")  # noqa: SIM115 (closed below: the unlock)
+    except OSError:
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def compile_task(payload: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,152 @@
+"""Where a tuning worker's start goes on a GPU host (issue 37): how long CUDA contexts take when
+many processes make them at once (free, or one at a time under tunegen's lock), and what a
+compile worker's first compile costs against its second, with and without the compiler warmed
+before the fork. Run from a process that has not touched CUDA; prints a table, writes JSON.
+
+    python3 worker_startup.py -o results/worker_startup_h200x2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import triton
+
+from tunegen.kernels.families import get
+from tunegen.kernels.gpu import Gpu
+from tunegen.tuning.presets import preset, problems
+from tunegen.tuning.trial import compile_task, one_context_at_a_time
+from tunegen.tuning.zygote import usable
+
+
+def _context(start: float, device: int, gated: bool, out: multiprocessing.Queue) -> None:
+    with one_context_at_a_time() if gated else contextlib.nullcontext():
+        torch.empty(1, device=f"cuda:{device}")
+        torch.cuda.synchronize()
+    out.put(time.time() - start)
+
+
+def contexts(count: int, gpus: int, gated: bool) -> list[float]:
+    """Seconds from a common start until each of `count` forked processes had its context
+    (spread over `gpus` devices)."""
+    fork = multiprocessing.get_context("fork")
+    out = fork.Queue()
+    start = time.time()
+    procs = [fork.Process(target=_context, args=(start, i % gpus, gated, out)) for i in range(count)]
+    for p in procs:
+        p.start()
+    times = sorted(out.get() for _ in procs)
+    for p in procs:
+        p.join()
+    return times
+
+
+def _tiny_compile(capability: tuple[int, int]) -> None:
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    @triton.jit
+    def nothing(out, n: tl.constexpr, salt: tl.constexpr):
+        tl.store(out + tl.arange(0, n), tl.arange(0, n) + salt)
+
+    target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
+    triton.compile(
+        ASTSource(nothing, {"out": "*i32"}, constexprs={"n": 16, "salt": os.getpid()}), target=target
+    )
+
+
+def _compiles(payloads: list[dict], out: multiprocessing.Queue) -> None:
+    steps = {}
+    t = time.time()
+    torch.empty(1, device="cuda")
+    torch.cuda.synchronize()
+    steps["context"] = time.time() - t
+    for i, payload in enumerate(payloads):
+        t = time.time()
+        result = compile_task(payload)
+        steps[f"compile {i}"] = time.time() - t
+        steps[f"status {i}"] = result["status"]
+    out.put(steps)
+
+
+def first_compiles(payloads: list[dict], warm: bool, capability: tuple[int, int]) -> dict:
+    """A forked process's context, then each payload's compile; with `warm`, a tiny kernel
+    compiled for the target in a forked parent first (no CUDA), as a zygote could."""
+    fork = multiprocessing.get_context("fork")
+    out = fork.Queue()
+
+    def child() -> None:
+        if warm:
+            t = time.time()
+            _tiny_compile(capability)
+            print(f"  tiny compile before the fork: {time.time() - t:.2f} s", flush=True)
+        p = fork.Process(target=_compiles, args=(payloads, out))
+        p.start()
+        p.join()
+
+    holder = fork.Process(target=child)
+    holder.start()
+    steps = out.get()
+    holder.join()
+    return steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-o", "--output", required=True)
+    args = parser.parse_args()
+    assert usable(), "run from a process that has not touched CUDA"
+    gpus = int(os.popen("nvidia-smi -L | wc -l").read().strip() or 1)
+    os.environ["TUNEGEN_CACHE_DIR"] = tempfile.mkdtemp()
+    results: dict = {"contexts": [], "compiles": []}
+    for count in (1, 8, 17, 34):
+        for gated in (False, True):
+            times = contexts(count, gpus, gated)
+            row = {
+                "count": count,
+                "gated": gated,
+                "first": times[0],
+                "median": statistics.median(times),
+                "last": times[-1],
+            }
+            results["contexts"].append(row)
+            label = "gated" if gated else "free"
+            print(
+                f"contexts {count:2d} {label}: first {times[0]:.2f}, median {row['median']:.2f}, last",
+                end=" ",
+            )
+            print(f"{times[-1]:.2f} s", flush=True)
+    problem = problems([preset("llama3-8b")])[-1]
+    family = get(problem.family)
+    gpu = Gpu("H200", (9, 0), 132, 232448, triton.__version__, "", "cuda")
+    space = family.search_space(problem, gpu)
+    default = family.default_variant(problem, gpu)
+    other = family.variant_type.from_json(
+        json.dumps({**json.loads(default.to_json()), "num_stages": 5 - default.num_stages})
+    )
+    for warm in (False, True):
+        os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()
+        payloads = [
+            {"problem": problem.as_dict(), "variant": v.to_json(), "backend": "cuda", "seed": 0}
+            for v in (default, other)
+        ]
+        steps = first_compiles(payloads, warm, gpu.capability)
+        results["compiles"].append({"warm": warm, **steps})
+        print(f"first compiles, {'warmed' if warm else 'cold'}: {steps}", flush=True)
+    results["space"] = {k: len(v) for k, v in space.items()}
+    with open(args.output, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
