@@ -26,6 +26,7 @@ from tunegen.kernels.families import base, get
 from tunegen.kernels.gpu import cuda_gpu
 from tunegen.kernels.problem import Problem, problem_text
 from tunegen.kernels.reference import tolerance
+from tunegen.tuning.timeline import STARTING
 from tunegen.tuning.timing import interleaved_ms
 from tunegen.tuning_db import Store
 
@@ -45,19 +46,38 @@ def tune(spec: str, presets: list[str], work: Path, extra: list[str]) -> dict:
         *("--timeline", str(trace), *extra),
     ]
     start = time.monotonic()
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    written = None  # when the command had written its timeline: what follows is its exit
+    with subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as run:
+        lines = []
+        for line in run.stdout:
+            lines.append(line)
+            if "timeline written to" in line:
+                written = time.monotonic() - start
     wall = time.monotonic() - start
-    (work / f"tune_gpus_{slug}.log").write_text(done.stdout + done.stderr)
-    print(done.stdout[-6000:], done.stderr[-3000:], sep="\n")
+    output = "".join(lines)
+    (work / f"tune_gpus_{slug}.log").write_text(output)
+    print(output[-6000:])
     return {
         "gpus": spec,
         "command": " ".join(command),
         "wall_s": wall,
-        "exit_code": done.returncode,
+        "exit_s": None if written is None else wall - written,
+        "exit_code": run.returncode,
         "db": str(db),
         "trace": str(trace),
         "timeline": json.loads(trace.read_text())["summary"] if trace.exists() else [],
+        "start_s": _starting(trace),
     }
+
+
+def _starting(trace: Path) -> float | None:
+    """Seconds from the command's start to its ranks' (its imports, the host's devices)."""
+    if not trace.exists():
+        return None
+    events = json.loads(trace.read_text())["traceEvents"]
+    return next((e["dur"] / 1e6 for e in events if e.get("name") == STARTING and e["ph"] == "X"), None)
 
 
 def retime(runs: list[dict], seed: int = 7) -> list[dict]:
@@ -96,12 +116,15 @@ def summary(runs: list[dict], rows: list[dict] | None, device: str) -> str:
         f"Measured {time.strftime('%Y-%m-%d')}, torch {torch.__version__}, Triton "
         f"{__import__('triton').__version__}. Each run from empty databases and caches.",
         "",
-        "| run | wall | speedup over the first |",
-        "| --- | --- | --- |",
+        "| run | wall | speedup over the first | of it: the command's start | its exit |",
+        "| --- | --- | --- | --- | --- |",
     ]
     for run in runs:
+        parts = [f"{run[k]:.1f} s" if run.get(k) is not None else "-" for k in ("start_s", "exit_s")]
         lines.append(
-            f"| `--gpus {run['gpus']}` | {run['wall_s']:.0f} s | {base_run['wall_s'] / run['wall_s']:.2f}x |"
+            f"| `--gpus {run['gpus']}` | {run['wall_s']:.1f} s | {base_run['wall_s'] / run['wall_s']:.2f}x | "
+            + " | ".join(parts)
+            + " |"
         )
     lines += [
         "",

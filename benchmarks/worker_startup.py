@@ -23,12 +23,12 @@ import triton
 from tunegen.kernels.families import get
 from tunegen.kernels.gpu import Gpu
 from tunegen.tuning.presets import preset, problems
-from tunegen.tuning.trial import compile_task, one_context_at_a_time
+from tunegen.tuning.trial import compile_task, contexts_in_turn
 from tunegen.tuning.zygote import usable
 
 
 def _context(start: float, device: int, gated: bool, out: multiprocessing.Queue) -> None:
-    with one_context_at_a_time() if gated else contextlib.nullcontext():
+    with contexts_in_turn() if gated else contextlib.nullcontext():
         torch.empty(1, device=f"cuda:{device}")
         torch.cuda.synchronize()
     out.put(time.time() - start)
@@ -73,9 +73,11 @@ def _compiles(payloads: list[dict], out: multiprocessing.Queue) -> None:
     steps["context"] = time.time() - t
     for i, payload in enumerate(payloads):
         t = time.time()
-        result = compile_task(payload)
+        try:
+            steps[f"status {i}"] = compile_task(payload)["status"]
+        except Exception as exc:  # as a worker reports it
+            steps[f"status {i}"] = f"{type(exc).__name__}: {exc}"[:120]
         steps[f"compile {i}"] = time.time() - t
-        steps[f"status {i}"] = result["status"]
     out.put(steps)
 
 
@@ -104,12 +106,13 @@ def first_compiles(payloads: list[dict], warm: bool, capability: tuple[int, int]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-o", "--output", required=True)
+    parser.add_argument("--no-contexts", action="store_true", help="only the first compiles")
     args = parser.parse_args()
     assert usable(), "run from a process that has not touched CUDA"
     gpus = int(os.popen("nvidia-smi -L | wc -l").read().strip() or 1)
     os.environ["TUNEGEN_CACHE_DIR"] = tempfile.mkdtemp()
     results: dict = {"contexts": [], "compiles": []}
-    for count in (1, 8, 17, 34):
+    for count in () if args.no_contexts else (1, 8, 17, 34):
         for gated in (False, True):
             times = contexts(count, gpus, gated)
             row = {
@@ -131,9 +134,8 @@ def main() -> None:
     gpu = Gpu("H200", (9, 0), 132, 232448, triton.__version__, "", "cuda")
     space = family.search_space(problem, gpu)
     default = family.default_variant(problem, gpu)
-    other = family.variant_type.from_json(
-        json.dumps({**json.loads(default.to_json()), "num_stages": 5 - default.num_stages})
-    )
+    flipped = {"pingpong": not default.pingpong} if default.schedule == "ws" else {"num_warps": 4}
+    other = family.variant_type.from_json(json.dumps({**json.loads(default.to_json()), **flipped}))
     for warm in (False, True):
         os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()
         payloads = [

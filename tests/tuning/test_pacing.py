@@ -5,6 +5,7 @@ per Problem, and the study's SQLite file in WAL mode."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import sqlite3
@@ -30,6 +31,7 @@ from tunegen.tuning.workers import WorkerPool
 
 GPU = interpreter_gpu()
 PROBLEMS = tiny_problems()
+IMPORTED = time.time()
 
 
 def test_summary_counts_overlapping_gpu_work_once_and_adds_up_waits():
@@ -173,17 +175,47 @@ def test_the_next_problem_compiles_while_one_finishes_and_loses_no_trial(tmp_pat
     options = TuneOptions(trials=3, workers=2, url=url, trial_timeout=300)
     with Tuner(GPU, options) as tuner:
         first = tuner.tune(PROBLEMS[0], then=PROBLEMS[1])
-        asked_ahead = tuner.flight.ahead(PROBLEMS[1])
+        asked_ahead = tuner.flight.holds(PROBLEMS[1])
         second = tuner.tune(PROBLEMS[1])
         spans = tuner.timeline.take()
     assert first.winner is not None and second.winner is not None
-    assert asked_ahead >= 1, "the next Problem's trials were compiling when the first finished"
+    assert asked_ahead, "the next Problem's trials were in flight when the first finished"
     trials = optuna.load_study(study_name=study_name(GPU, PROBLEMS[1], "tpe"), storage=url).trials
     done = [t.user_attrs["variant"] for t in trials if evaluated(t)]
     assert len(done) == len(set(done)) == 3
     assert not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
     lanes = {s.lane for s in spans}
     assert {"gpu", "sampler", "tuner"} <= lanes and any(lane.startswith("compile") for lane in lanes)
+
+
+@NEEDS_INTERPRETER
+def test_compiled_trials_of_the_next_problem_are_timed_ahead_of_a_final_round(tmp_path, monkeypatch):
+    """A rank finishing a Problem does not keep the next Problem's compiled trials waiting behind
+    its final round: other ranks sharing that study may have none left to take meanwhile."""
+    url = f"sqlite:///{tmp_path / 'final.db'}"
+    options = TuneOptions(trials=3, workers=2, url=url, trial_timeout=300)
+    waiting = []
+    with Tuner(GPU, options) as tuner:
+        tuner.search(PROBLEMS[0], then=PROBLEMS[1])
+        concurrent.futures.wait(list(tuner.flight.compiling))
+        tuner._take(set(tuner.flight.compiling), None, None)
+        compiled = tuner.flight.ahead(PROBLEMS[1])
+        final_round = tuner._final_round
+
+        def watched(problem, complete):
+            waiting.append(tuner.flight.ahead(PROBLEMS[1]))
+            return final_round(problem, complete)
+
+        monkeypatch.setattr(tuner, "_final_round", watched)
+        tuner.finalize(PROBLEMS[0])
+        second = tuner.tune(PROBLEMS[1])
+    assert compiled >= 1, "the next Problem's trials were compiled as the first one ended"
+    assert waiting[0] == 0, "all of them were on the GPU's queue before the final round"
+    assert second.winner is not None
+    trials = optuna.load_study(study_name=study_name(GPU, PROBLEMS[1], "tpe"), storage=url).trials
+    done = [t.user_attrs["variant"] for t in trials if evaluated(t)]
+    assert len(done) == len(set(done)) == 3
+    assert not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
 
 
 def _slow_first_problem(payload):
@@ -258,3 +290,12 @@ def test_cli_timeline_shows_both_stand_ins_and_times_each_problems_peers_once(tm
     assert {rank for rank, _ in peers} == {"stand-in 0", "stand-in 1"}, "split between the ranks"
     timed = sum(row["trials_timed"] for row in rows.values())
     assert timed >= 6, "every evaluated trial shows on a GPU lane"
+    starts = [e for e in work if e["name"] == timeline.STARTING]
+    assert len(starts) == 2 and all(e["ts"] == 0 for e in starts), "the command's start, on each GPU's lanes"
+
+
+def test_a_process_knows_when_it_started():
+    started = timeline.process_start()
+    if started is None:
+        pytest.skip("this platform does not say when a process started")
+    assert IMPORTED - 600 < started <= IMPORTED + 0.05, "before this module was imported, by this process"

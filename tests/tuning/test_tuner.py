@@ -4,7 +4,6 @@ resume, failures never retried, fleet workers sharing a study, workers surviving
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import multiprocessing
 import os
 import time
@@ -20,7 +19,7 @@ from tunegen.kernels.gpu import interpreter_gpu
 from tunegen.kernels.reference import TOLERANCE
 from tunegen.tuning.presets import dry_run, parse_shape, preset, problems
 from tunegen.tuning.study import make_sampler, study_name
-from tunegen.tuning.trial import one_context_at_a_time
+from tunegen.tuning.trial import CONTEXTS_AT_ONCE, contexts_in_turn
 from tunegen.tuning.tuner import TuneOptions, Tuner
 from tunegen.tuning.workers import Worker, WorkerPool
 from tunegen.tuning_db import FailureRecord, Store
@@ -72,29 +71,34 @@ def test_workers_survive_crashes_and_hangs(zygote):
 
 def _holding(payload):
     os.environ["TUNEGEN_CACHE_DIR"] = payload["cache"]
-    with one_context_at_a_time():
+    with contexts_in_turn():
         start = time.time()
         time.sleep(payload["hold_s"])
         return {"status": "ok", "held": (start, time.time())}
 
 
-def test_cuda_contexts_are_made_one_at_a_time_and_a_dead_holder_frees_the_lock(zygote, tmp_path):
-    pool = WorkerPool(3, interpret=True, zygote=zygote)
+def test_cuda_contexts_are_made_in_turns_and_a_dead_holder_frees_its_turn(zygote, tmp_path):
+    pool = WorkerPool(CONTEXTS_AT_ONCE + 2, interpret=True, zygote=zygote)
     try:
         payload = {"cache": str(tmp_path), "hold_s": 0.3}
-        held = sorted(f.result()["held"] for f in [pool.submit(_holding, payload, 60) for _ in range(3)])
-        assert all(a[1] <= b[0] for a, b in itertools.pairwise(held)), "never two at once"
+        futures = [pool.submit(_holding, payload, 60) for _ in range(CONTEXTS_AT_ONCE + 2)]
+        held = [f.result()["held"] for f in futures]
+        for start, _ in held:
+            at_once = sum(1 for a, b in held if a <= start < b)
+            assert at_once <= CONTEXTS_AT_ONCE, "never more at once than there are turns"
     finally:
         pool.close()
-    worker = Worker(interpret=True, zygote=zygote)
+    workers = [Worker(interpret=True, zygote=zygote) for _ in range(CONTEXTS_AT_ONCE)]
     try:
-        hung = worker.call(_holding, {**payload, "hold_s": 60}, timeout=1)
-        assert hung["status"] == "error", "killed while holding the lock"
+        for worker in workers:
+            hung = worker.call(_holding, {**payload, "hold_s": 60}, timeout=1)
+            assert hung["status"] == "error", "killed while holding its turn"
         start = time.time()
-        assert worker.call(_holding, {**payload, "hold_s": 0}, timeout=60)["status"] == "ok"
+        assert workers[0].call(_holding, {**payload, "hold_s": 0}, timeout=60)["status"] == "ok"
         assert time.time() - start < 30, "its successor was not kept waiting"
     finally:
-        worker.close()
+        for worker in workers:
+            worker.close()
 
 
 def test_search_space_respects_constraints():

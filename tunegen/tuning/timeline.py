@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -28,6 +29,8 @@ COMPILE = "compile"
 # Tuner-lane span names that are waits, not work (the summary adds them up).
 WAIT_OTHERS = "waiting for other processes' trials"
 WAIT_HOST = "waiting for the other GPUs to finish"
+# The tuner-lane span from the command's start (its imports, the host's devices) to the ranks'.
+STARTING = "starting the command"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +70,17 @@ class Timeline:
         with self._lock:
             spans, self._spans = self._spans, []
         return spans
+
+
+def process_start() -> float | None:
+    """When this process started, on time.time()'s clock (to Linux's 10 ms ticks), so that a run's
+    timeline can show its command's start too; None where the platform does not say."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, AttributeError, IndexError):
+        return None
+    return time.time() - age
 
 
 def problem_label(problem: Problem) -> str:

@@ -79,12 +79,10 @@ class Tuner(FinalRound):
                 start=options.workers if zygote else min(options.workers, FIRST_AHEAD),
                 zygote=zygote,
             )
-            # Theirs one at a time, after the timing worker's (which does not wait): the first
-            # compiles start as soon as a context is made, not once all are.
+            # Theirs in turns (the timing worker's first, it does not wait): the first compiles
+            # start as soon as a context is made, not once all are.
             for _ in range(self.pool.started):
-                self.pool.submit(
-                    warm_task, {**warm, "one_at_a_time": True}, options.trial_timeout, ("warm-up", "")
-                )
+                self.pool.submit(warm_task, {**warm, "in_turn": True}, options.trial_timeout, ("warm-up", ""))
         # The workers start (a CUDA context each, spawned ones their imports) while the database opens.
         try:
             self.store = open_store(self.url)
