@@ -14,6 +14,8 @@ import json
 import multiprocessing
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -103,6 +105,40 @@ def first_compiles(payloads: list[dict], warm: bool, capability: tuple[int, int]
     return steps
 
 
+START = """
+import json, time
+t = [time.time()]
+import tunegen.cli.main
+t.append(time.time())
+from tunegen.tuning import host, presets, ranks, timeline
+from tunegen.tuning.tuner import TuneOptions
+t.append(time.time())
+ranks.cuda_gpus()
+t.append(time.time())
+ranks.cuda_gpus()
+t.append(time.time())
+steps = ("tunegen.cli", "tune's imports", "devices", "devices again")
+print(json.dumps(dict(zip(steps, [b - a for a, b in zip(t, t[1:])]))))
+"""
+
+
+def command_start() -> dict:
+    """What `tunegen tune` does before its ranks start, each step timed in a fresh process: its
+    imports, then the host's devices (asked in a forked child); and the slowest imports."""
+    steps = json.loads(
+        subprocess.run([sys.executable, "-c", START], capture_output=True, text=True, check=True).stdout
+    )
+    traced = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", "import tunegen.cli.main"], capture_output=True, text=True
+    ).stderr
+    rows = [
+        line.split("|") for line in traced.splitlines() if line.startswith("import time:") and "|" in line
+    ]
+    cumulative = sorted(((int(r[1]), r[2].rstrip()) for r in rows if r[1].strip().isdigit()), reverse=True)
+    steps["slowest imports (cumulative s)"] = [(name.strip(), us / 1e6) for us, name in cumulative[:12]]
+    return steps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-o", "--output", required=True)
@@ -111,7 +147,8 @@ def main() -> None:
     assert usable(), "run from a process that has not touched CUDA"
     gpus = int(os.popen("nvidia-smi -L | wc -l").read().strip() or 1)
     os.environ["TUNEGEN_CACHE_DIR"] = tempfile.mkdtemp()
-    results: dict = {"contexts": [], "compiles": []}
+    results: dict = {"command start": command_start(), "contexts": [], "compiles": []}
+    print(json.dumps(results["command start"], indent=1), flush=True)
     for count in () if args.no_contexts else (1, 8, 17, 34):
         for gated in (False, True):
             times = contexts(count, gpus, gated)

@@ -14,7 +14,7 @@ from tunegen.cli.text import speed, variant_text
 from tunegen.kernels.problem import problem_text
 
 # Compile workers per GPU by default (--workers).
-PER_GPU_WORKERS = 12
+PER_GPU_WORKERS = 16
 
 
 @click.command()
@@ -195,8 +195,6 @@ def tune(
     except ValueError as exc:
         raise click.BadParameter(str(exc).removeprefix("gpus: "), param_hint="--gpus") from None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    # 12 a GPU: more than ten compiled at once for 1-4% of a run (2 x H200), and each worker costs
-    # a CUDA context, which the driver makes and ends one after another, host-wide.
     per_rank = max(1, (workers or min(PER_GPU_WORKERS * len(ranks), cores)) // len(ranks))
     options = TuneOptions(
         trials=trials,
