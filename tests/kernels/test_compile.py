@@ -4,7 +4,11 @@ such as non-constexpr globals that only the compiler rejects."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import multiprocessing
+import os
+from pathlib import Path
 
 import triton
 
@@ -12,7 +16,7 @@ from tunegen.kernels.compiler import CompileJob, compile_many
 from tunegen.kernels.families import backward, decode, prefill
 from tunegen.kernels.gpu import Gpu
 from tunegen.kernels.problem import Problem
-from tunegen.kernels.render import render
+from tunegen.kernels.render import interpreting, render
 
 TARGETS = {
     "hopper": Gpu("H100", (9, 0), 132, 232448, triton.__version__, "", "cuda"),
@@ -207,3 +211,25 @@ def test_ws_variants_compile_for_sm90_with_wgmma_and_without_spilling():
             assert f"wgmma.mma_async.sync.aligned.m64n{n}k{k}.f32.{operand}.{operand}" in report.mma, (
                 report.mma
             )
+
+
+def _warm_twice(cache: str) -> tuple[list[tuple[int, int]], bool]:
+    os.environ["TRITON_CACHE_DIR"] = cache
+    from tunegen.kernels.compiler import warm_compiler
+
+    written = []
+    for _ in range(2):
+        warm_compiler((9, 0))
+        (cubin,) = Path(cache).rglob("*.cubin")
+        written.append((cubin.stat().st_ino, cubin.stat().st_mtime_ns))
+    return written, "TRITON_ALWAYS_COMPILE" in os.environ
+
+
+def test_warming_the_compiler_compiles_past_the_cache_and_leaves_the_environment(tmp_path):
+    with (
+        interpreting(False),
+        concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool,
+    ):
+        written, left = pool.submit(_warm_twice, str(tmp_path)).result()
+    assert written[0] != written[1], "compiled again, not read from Triton's cache"
+    assert not left, "TRITON_ALWAYS_COMPILE restored"

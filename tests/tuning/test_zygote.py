@@ -151,6 +151,34 @@ def test_a_hung_worker_is_killed_even_once_the_zygote_is_gone():
         zygote.close()
 
 
+def _mark():
+    os.environ["TUNEGEN_TEST_WARMED"] = "1"
+
+
+def _fail():
+    raise RuntimeError("a warm-up that fails")
+
+
+def _warmed(_payload):
+    return {"status": "ok", "warmed": os.environ.get("TUNEGEN_TEST_WARMED")}
+
+
+@pytest.mark.parametrize("warm", [_mark, _fail])
+def test_the_zygote_warms_up_after_its_first_worker_and_a_failed_warm_up_is_ignored(warm):
+    """The first worker (the timing one) is forked at once; the ones after it inherit the warm-up."""
+    zygote = Zygote(warm)
+    workers = [Worker(interpret=zygote.interpret, zygote=zygote) for _ in range(2)]
+    try:
+        first, second = (w.call(_warmed, {}, timeout=60) for w in workers)
+        assert first["warmed"] is None and first["status"] == second["status"] == "ok"
+        assert second["warmed"] == ("1" if warm is _mark else None)
+        assert workers[1]._process._zygote is zygote, "forked: the zygote survived its warm-up"
+    finally:
+        for worker in workers:
+            worker.close()
+        zygote.close()
+
+
 def test_workers_are_spawned_once_the_zygote_is_gone():
     zygote = Zygote()
     os.kill(zygote.pid, signal.SIGKILL)

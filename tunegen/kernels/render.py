@@ -25,6 +25,7 @@ from typing import Any
 import jinja2
 import platformdirs
 
+from tunegen.kernels.environ import environment
 from tunegen.kernels.releases import INSTALLED, Release, interpreter_problem
 from tunegen.kernels.variant import Variant
 
@@ -141,12 +142,5 @@ def load(rendered: Rendered, *, interpret: bool) -> ModuleType:
 @contextlib.contextmanager
 def interpreting(flag: bool) -> Iterator[None]:
     """Set TRITON_INTERPRET for the block: Triton reads it when it decorates and compiles kernels."""
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1" if flag else "0"
-    try:
+    with environment("TRITON_INTERPRET", "1" if flag else "0"):
         yield
-    finally:
-        if previous is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = previous

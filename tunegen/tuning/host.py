@@ -14,16 +14,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import multiprocessing
 import multiprocessing.connection
 import os
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
+from tunegen.kernels.compiler import warm_compiler
 from tunegen.kernels.database import database_url, open_store
+from tunegen.kernels.environ import environment
 from tunegen.kernels.gpu import Gpu
 from tunegen.kernels.problem import Problem
 from tunegen.tuning import study as studies
@@ -42,21 +45,6 @@ POLL_S = 0.5
 
 class HostError(RuntimeError):
     """A rank reported an error, or kept dying: the run stops (the studies keep what was done)."""
-
-
-@contextlib.contextmanager
-def _environment(name: str, value: str | None) -> Iterator[None]:
-    """Set an environment variable while a child process starts (it copies the environment)."""
-    before = os.environ.get(name)
-    if value is not None:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = before
 
 
 def _rank_main(
@@ -85,7 +73,8 @@ def _rank_main(
     try:
         if usable():
             with contextlib.suppress(OSError):  # no process to spare: its workers are spawned
-                zygote = Zygote()
+                cuda = rank.gpu.backend == "cuda"
+                zygote = Zygote(functools.partial(warm_compiler, rank.gpu.capability) if cuda else None)
         position, ranks = share
         peers = {p for j, p in enumerate(problems) if j % ranks == position}
         with raising(), Tuner(rank.gpu, options, times_peers=peers.__contains__, zygote=zygote) as tuner:
@@ -171,7 +160,7 @@ class _Host:
         share = (members.index(state), len(members))
         args = (state.rank, self.problems, options, state.current, share, child)
         # Signals wait until the rank can give its trials back (`raising` in _rank_main).
-        with _environment("CUDA_VISIBLE_DEVICES", state.rank.visible), blocked(), warnings.catch_warnings():
+        with environment("CUDA_VISIBLE_DEVICES", state.rank.visible), blocked(), warnings.catch_warnings():
             # Python 3.12 warns of any fork from a process with threads; see __init__ for why not here.
             warnings.filterwarnings("ignore", message=".*use of fork", category=DeprecationWarning)
             state.process = self.context.Process(

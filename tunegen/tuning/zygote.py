@@ -56,7 +56,10 @@ class Zygote:
     as it is imported whether its own library functions are interpreted, so its workers interpret
     kernels or compile them as this process's Triton does (`interpret`), never the other way."""
 
-    def __init__(self) -> None:
+    def __init__(self, warm: Callable[[], None] | None = None) -> None:
+        """`warm`: run in the zygote once it has forked its first worker (the rank's timing
+        worker, which the GPU waits for), so that the workers forked after start with what it
+        loads (see compiler.warm_compiler); its failure is ignored."""
         self.interpret = interpreting()
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._lock = threading.Lock()
@@ -64,7 +67,7 @@ class Zygote:
             self.pid = os.fork()
             if self.pid == 0:
                 self._sock.close()
-                _serve_forks(theirs)  # never returns
+                _serve_forks(theirs, warm)  # never returns
         theirs.close()
 
     def _ask(self, request: tuple, fds: list[int] = ()) -> Any:
@@ -156,8 +159,9 @@ class Forked:
                 os.kill(self.pid, signal.SIGKILL)
 
 
-def _serve_forks(sock: socket.socket) -> None:
-    """The zygote's loop: fork a worker per "start", report exit codes on "wait", end on EOF."""
+def _serve_forks(sock: socket.socket, warm: Callable[[], None] | None) -> None:
+    """The zygote's loop: fork a worker per "start" (`warm` after the first), report exit codes
+    on "wait", end on EOF."""
     _name("tunegen-zygote")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the handlers of the process it copies
@@ -180,6 +184,10 @@ def _serve_forks(sock: socket.socket) -> None:
                 codes.pop(pid, None)  # an earlier worker's, whose pid it was given again
                 os.close(fds[0])
                 sock.send(pickle.dumps(pid))
+                if warm is not None:
+                    with contextlib.suppress(Exception):
+                        warm()
+                    warm = None
             else:
                 pid, timeout = args
                 sock.send(pickle.dumps(_reap(pid, timeout, codes)))
