@@ -71,6 +71,7 @@ def test_workers_survive_crashes_and_hangs(zygote):
 
 def _holding(payload):
     os.environ["TUNEGEN_CACHE_DIR"] = payload["cache"]
+    os.environ["CUDA_VISIBLE_DEVICES"] = payload.get("gpu", "0")
     with contexts_in_turn():
         start = time.time()
         time.sleep(payload["hold_s"])
@@ -86,6 +87,10 @@ def test_cuda_contexts_are_made_in_turns_and_a_dead_holder_frees_its_turn(zygote
         for start, _ in held:
             at_once = sum(1 for a, b in held if a <= start < b)
             assert at_once <= CONTEXTS_AT_ONCE, "never more at once than there are turns"
+        busy = [pool.submit(_holding, {**payload, "hold_s": 2.0}, 60) for _ in range(CONTEXTS_AT_ONCE)]
+        time.sleep(0.5)
+        other = pool.submit(_holding, {**payload, "gpu": "1", "hold_s": 0}, 60).result()["held"]
+        assert all(other[0] < f.result()["held"][1] for f in busy), "another GPU's turns are its own"
     finally:
         pool.close()
     workers = [Worker(interpret=True, zygote=zygote) for _ in range(CONTEXTS_AT_ONCE)]

@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import fcntl
 import os
+import re
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -74,22 +75,25 @@ def warm_task(payload: dict[str, Any]) -> dict[str, Any]:
     return {"status": "ok"}
 
 
-# CUDA contexts made at once under `contexts_in_turn`.
+# CUDA contexts a GPU's workers make at once under `contexts_in_turn`.
 CONTEXTS_AT_ONCE = 2
 
 
 @contextlib.contextmanager
 def contexts_in_turn() -> Iterator[None]:
-    """Hold one of this user's CONTEXTS_AT_ONCE host-wide turns at making a CUDA context (file
-    locks in tunegen's cache, released by the kernel if the holder dies). The driver makes
-    contexts little faster side by side, and every one of them ends last: on 2 x H200
-    (2026-11-26) 34 made at once were all ready after 5.5-10.4 s, 34 made one at a time each
-    after 0.47 s more than the one before. So the compile workers of a run take turns, and the
-    first ones start compiling within a second. Without a cache folder to lock in, nobody waits."""
+    """Hold one of this user's CONTEXTS_AT_ONCE turns at making a CUDA context on the GPUs this
+    process sees (file locks in tunegen's cache, released by the kernel if the holder dies). The
+    driver makes contexts little faster side by side, and every one of them ends last: on 2 x H200
+    (2026-11-26) 34 made at once were all ready after 5.5-10.4 s, 34 made one at a time each after
+    0.47 s more than the one before. So the compile workers of a rank take turns, and the first
+    ones start compiling within a second; each GPU has turns of its own, since with turns shared
+    by the host one rank's workers took all sixteen before the other's got one. Without a cache
+    folder to lock in, nobody waits."""
+    seen = re.sub(r"[^A-Za-z0-9,-]", "_", os.environ.get("CUDA_VISIBLE_DEVICES", "all"))[:200]
     try:
         folder = cache_dir()
         folder.mkdir(parents=True, exist_ok=True)
-        turns = [open(folder / f"cuda-contexts.{i}.lock", "a") for i in range(CONTEXTS_AT_ONCE)]  # noqa: SIM115
+        turns = [open(folder / f"cuda-contexts.{seen}.{i}.lock", "a") for i in range(CONTEXTS_AT_ONCE)]  # noqa: SIM115
     except OSError:
         yield
         return
