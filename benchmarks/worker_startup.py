@@ -1,7 +1,8 @@
 """Where a tuning worker's start goes on a GPU host (issue 37): how long CUDA contexts take when
-many processes make them at once (free, or one at a time under tunegen's lock), and what a
-compile worker's first compile costs against its second, with and without the compiler warmed
-before the fork. Run from a process that has not touched CUDA; prints a table, writes JSON.
+many processes make them at once (free, or in tunegen's turns: `trial.contexts_in_turn`; one at a
+time when measured on 2026-11-26, two now), what `tunegen tune` does before its ranks start, and
+what a compile worker's first compile costs against its second, with and without the compiler
+warmed before the fork. Run from a process that has not touched CUDA; prints a table, writes JSON.
 
     python3 worker_startup.py -o results/worker_startup_h200x2.json
 """
