@@ -2,7 +2,7 @@
 on the GPU; how many to keep ahead of the GPU; and where asking for each Problem's trials stands.
 
 The GPU (the timing worker) is what a search waits for: a trial's check and timing take longer
-than its compile. So the GPU gets its next trial queued behind the one it runs (it never waits for
+than its compile. So the GPU gets its next trials queued behind the one it runs (it never waits for
 the tuner's bookkeeping), and just enough trials are kept compiling or compiled ahead of it that
 it never waits for a compile: each one more is asked of the sampler blind (before the results
 ahead of it are known) and, near a Problem's end, held by this process while other processes
@@ -23,8 +23,10 @@ import optuna
 from tunegen.kernels.problem import Problem
 from tunegen.kernels.variant import Variant
 
-# Trials queued on the GPU at once: the one it runs and the next.
-GPU_QUEUE = 2
+# Trials queued on the GPU at once: the one it runs and two more, so that the GPU does not wait
+# while the tuner asks the sampler (with two ranks on 2 x H200 an ask took 55-60 ms, up to 250 ms,
+# and compiled trials waited 0.9-1.5 s of a 57-s run to be queued behind one trial of 0.15 s).
+GPU_QUEUE = 3
 # Trials kept ahead of the GPU before the first compile and timing have been measured.
 FIRST_AHEAD = 4
 # Weight of the newest measurement in the running compile and timing estimates.
