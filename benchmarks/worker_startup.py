@@ -1,8 +1,9 @@
 """Where a tuning worker's start goes on a GPU host (issue 37): how long CUDA contexts take when
-many processes make them at once (free, or in tunegen's turns: `trial.contexts_in_turn`; one at a
-time when measured on 2026-11-26, two now), what `tunegen tune` does before its ranks start, and
-what a compile worker's first compile costs against its second, with and without the compiler
-warmed before the fork. Run from a process that has not touched CUDA; prints a table, writes JSON.
+many processes make them at once (free, or in tunegen's turns: `trial.contexts_in_turn`, one at a
+time for the host when measured on 2026-11-26, two per GPU now), what `tunegen tune` does before
+its ranks start, and what a compile worker's first compile costs against its second, with and
+without the compiler warmed before the fork. Run from a process that has not touched CUDA; prints
+a table, writes JSON.
 
     python3 worker_startup.py -o results/worker_startup_h200x2.json
 """
@@ -23,6 +24,7 @@ import time
 import torch
 import triton
 
+from tunegen.kernels.compiler import warm_compiler
 from tunegen.kernels.families import get
 from tunegen.kernels.gpu import Gpu
 from tunegen.tuning.presets import preset, problems
@@ -31,8 +33,9 @@ from tunegen.tuning.zygote import usable
 
 
 def _context(start: float, device: int, gated: bool, out: multiprocessing.Queue) -> None:
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(device)  # as a rank's workers see their GPU
     with contexts_in_turn() if gated else contextlib.nullcontext():
-        torch.empty(1, device=f"cuda:{device}")
+        torch.empty(1, device="cuda")
         torch.cuda.synchronize()
     out.put(time.time() - start)
 
@@ -52,22 +55,6 @@ def contexts(count: int, gpus: int, gated: bool) -> list[float]:
     return times
 
 
-def _tiny_compile(capability: tuple[int, int]) -> None:
-    import triton
-    import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    @triton.jit
-    def nothing(out, n: tl.constexpr, salt: tl.constexpr):
-        tl.store(out + tl.arange(0, n), tl.arange(0, n) + salt)
-
-    target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
-    triton.compile(
-        ASTSource(nothing, {"out": "*i32"}, constexprs={"n": 16, "salt": os.getpid()}), target=target
-    )
-
-
 def _compiles(payloads: list[dict], out: multiprocessing.Queue) -> None:
     steps = {}
     t = time.time()
@@ -85,15 +72,15 @@ def _compiles(payloads: list[dict], out: multiprocessing.Queue) -> None:
 
 
 def first_compiles(payloads: list[dict], warm: bool, capability: tuple[int, int]) -> dict:
-    """A forked process's context, then each payload's compile; with `warm`, a tiny kernel
-    compiled for the target in a forked parent first (no CUDA), as a zygote could."""
+    """A forked process's context, then each payload's compile; with `warm`, the compiler warmed
+    in a forked parent first (no CUDA), as a rank's zygote does."""
     fork = multiprocessing.get_context("fork")
     out = fork.Queue()
 
     def child() -> None:
         if warm:
             t = time.time()
-            _tiny_compile(capability)
+            warm_compiler(capability)
             print(f"  tiny compile before the fork: {time.time() - t:.2f} s", flush=True)
         p = fork.Process(target=_compiles, args=(payloads, out))
         p.start()

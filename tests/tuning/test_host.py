@@ -63,14 +63,14 @@ def test_selecting_gpus():
 
 
 def _topology(root, siblings):
-    """A /sys/devices/system/cpu of 2 sockets, each physical core `siblings` hyper-threads,
+    """A /sys/devices/system/cpu of 32 logical CPUs, each physical core `siblings` hyper-threads,
     numbered as Linux does (a core's threads 16 apart)."""
     for cpu in range(32):
         folder = root / f"cpu{cpu}" / "topology"
         folder.mkdir(parents=True)
         core = cpu % 16 if siblings == 2 else cpu
-        (folder / "physical_package_id").write_text(f"{core // 8}\n")
-        (folder / "core_id").write_text(f"{core % 8}\n")
+        listed = f"{core},{core + 16}" if siblings == 2 else f"{cpu}"
+        (folder / "thread_siblings_list").write_text(f"{listed}\n")
 
 
 @pytest.mark.parametrize("siblings", [1, 2])

@@ -18,6 +18,7 @@ from conftest import HAS_CUDA
 
 from tunegen.kernels.gpu import interpreting
 from tunegen.tuning import ranks
+from tunegen.tuning import zygote as zygote_module
 from tunegen.tuning.workers import Worker, WorkerPool
 from tunegen.tuning.zygote import Zygote, usable
 
@@ -163,11 +164,20 @@ def _warmed(_payload):
     return {"status": "ok", "warmed": os.environ.get("TUNEGEN_TEST_WARMED")}
 
 
-@pytest.mark.parametrize("warm", [_mark, _fail])
-def test_the_zygote_warms_up_after_its_first_worker_and_a_failed_warm_up_is_ignored(warm):
-    """The first worker (the timing one) is forked at once; the ones after it inherit the warm-up."""
+def _stall():
+    time.sleep(60)
+    _mark()
+
+
+@pytest.mark.parametrize("warm", [_mark, _fail, _stall])
+def test_the_zygote_warms_up_after_its_first_worker_and_a_failed_or_slow_warm_up_is_cut(warm, monkeypatch):
+    """The first worker (the timing one) is forked at once; the ones after it inherit the warm-up,
+    which the next worker waits for no longer than WARM_S."""
+    monkeypatch.setattr(zygote_module, "WARM_S", 1.0)
     zygote = Zygote(warm)
+    start = time.monotonic()
     workers = [Worker(interpret=zygote.interpret, zygote=zygote) for _ in range(2)]
+    assert time.monotonic() - start < 30
     try:
         first, second = (w.call(_warmed, {}, timeout=60) for w in workers)
         assert first["warmed"] is None and first["status"] == second["status"] == "ok"

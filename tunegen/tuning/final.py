@@ -58,7 +58,8 @@ class FinalRound:
     ) -> Outcome:
         """Wait for the trials other processes hold on `problem` (a dead holder's are failed and
         their Variants evaluated here), then re-time the fastest few and record the Winner, with
-        the best peer's time on the same Problem."""
+        the best peer's time on the same Problem. Trials compiled meanwhile (the next Problem's)
+        are timed first (`_time_compiled`): the Outcome's wall time includes them."""
         start = time.monotonic() if start is None else start
         study = self._study(problem)
         self._time_compiled()
@@ -71,9 +72,10 @@ class FinalRound:
         return self._finish(study, problem, get(problem.family), peer, start)
 
     def _time_compiled(self) -> None:
-        """Queue on the GPU the trials compiled meanwhile (the next Problem's), ahead of this
-        one's final round: the processes sharing their study could run out of trials to take
-        while these wait (on 2 x H200 the other GPU idled 3 s at a run's end for eight of them)."""
+        """Queue on the GPU the trials compiled meanwhile (the next Problem's), all of them past
+        GPU_QUEUE, ahead of this one's final round: the processes sharing their study could run
+        out of trials to take while these wait (on 2 x H200 the other GPU idled 3 s at a run's
+        end for eight of them)."""
         self._take({f for f in self.flight.compiling if f.done()}, None, None)
         for ready in self.flight.ready.values():
             while ready:

@@ -115,7 +115,8 @@ def cores(position: int, ranks: int, topology: Path = TOPOLOGY) -> tuple[int, ..
     """The CPU cores of the rank at `position` of `ranks`, its timing worker's first: an equal share
     of the physical cores this process may use, each with its hyper-threads, so that no two ranks
     (nor a rank's timing worker and its compiles, from TIMING_CORE_ALONE on) share a physical core.
-    None where the platform cannot pin processes or there are fewer cores than ranks."""
+    None where the platform cannot pin processes, and for the ranks past the last whole share
+    where there are fewer physical cores than ranks (those run wherever the system puts them)."""
     if not hasattr(os, "sched_getaffinity"):
         return None
     physical = _physical(sorted(os.sched_getaffinity(0)), topology)
@@ -129,14 +130,13 @@ def cores(position: int, ranks: int, topology: Path = TOPOLOGY) -> tuple[int, ..
 
 
 def _physical(cpus: list[int], topology: Path) -> list[list[int]]:
-    """`cpus` grouped by the physical core they are hyper-threads of (each alone where `topology`
-    does not say), groups in the order of their first."""
-    groups: dict[tuple[str, ...], list[int]] = {}
+    """`cpus` grouped by the physical core they are hyper-threads of, as `topology` lists each
+    one's siblings (each alone where it does not say), groups in the order of their first."""
+    groups: dict[str, list[int]] = {}
     for cpu in cpus:
-        folder = topology / f"cpu{cpu}" / "topology"
         try:
-            key = tuple((folder / name).read_text().strip() for name in ("physical_package_id", "core_id"))
+            key = (topology / f"cpu{cpu}" / "topology" / "thread_siblings_list").read_text().strip()
         except OSError:
-            key = ("cpu", str(cpu))
+            key = f"cpu{cpu}"
         groups.setdefault(key, []).append(cpu)
     return list(groups.values())

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import os
 import re
 import statistics
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -24,6 +23,11 @@ from tunegen.kernels.gpu import gpu_of
 from tunegen.kernels.problem import Problem
 from tunegen.kernels.reference import tolerance
 from tunegen.kernels.render import cache_dir
+
+try:
+    import fcntl
+except ImportError:  # Windows: no file locks, so no turns
+    fcntl = None
 
 
 def _device(payload: dict[str, Any]) -> torch.device:
@@ -88,26 +92,45 @@ def contexts_in_turn() -> Iterator[None]:
     0.47 s more than the one before. So the compile workers of a rank take turns, and the first
     ones start compiling within a second; each GPU has turns of its own, since with turns shared
     by the host one rank's workers took all sixteen before the other's got one. Without a cache
-    folder to lock in, nobody waits."""
-    seen = re.sub(r"[^A-Za-z0-9,-]", "_", os.environ.get("CUDA_VISIBLE_DEVICES", "all"))[:200]
+    folder to lock in, or file locks (Windows), nobody waits."""
+    turns = _turns()
     try:
-        folder = cache_dir()
-        folder.mkdir(parents=True, exist_ok=True)
-        turns = [open(folder / f"cuda-contexts.{seen}.{i}.lock", "a") for i in range(CONTEXTS_AT_ONCE)]  # noqa: SIM115
-    except OSError:
-        yield
-        return
-    try:
-        for turn in turns:
-            with contextlib.suppress(BlockingIOError):
-                fcntl.flock(turn, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-        else:
-            fcntl.flock(turns[os.getpid() % CONTEXTS_AT_ONCE], fcntl.LOCK_EX)
+        while turns and not any(_took(turn) for turn in turns):
+            time.sleep(TURN_POLL_S)
         yield
     finally:
         for turn in turns:
             turn.close()
+
+
+# How often a process waiting for a turn tries them all again (so that none sits unused).
+TURN_POLL_S = 0.01
+
+
+def _turns() -> list[IO[str]]:
+    """The turn files of the GPUs this process sees, open; none where they cannot be."""
+    if fcntl is None:
+        return []
+    seen = re.sub(r"[^A-Za-z0-9,-]", "_", os.environ.get("CUDA_VISIBLE_DEVICES", "all"))[:200]
+    turns: list[IO[str]] = []
+    try:
+        folder = cache_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        for i in range(CONTEXTS_AT_ONCE):
+            turns.append(open(folder / f"cuda-contexts.{seen}.{i}.lock", "a"))  # noqa: SIM115
+    except OSError:
+        for turn in turns:
+            turn.close()
+        return []
+    return turns
+
+
+def _took(turn: IO[str]) -> bool:
+    try:
+        fcntl.flock(turn, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 def compile_task(payload: dict[str, Any]) -> dict[str, Any]:

@@ -34,6 +34,8 @@ from tunegen.tuning.interrupt import blocked
 
 # How often the zygote looks whether a worker it is asked to wait for has ended.
 _POLL_S = 0.01
+# The longest the zygote warms up (`Zygote`'s `warm`) while its rank waits for its next worker.
+WARM_S = 20.0
 _MESSAGE = 1 << 16
 
 
@@ -185,14 +187,31 @@ def _serve_forks(sock: socket.socket, warm: Callable[[], None] | None) -> None:
                 os.close(fds[0])
                 sock.send(pickle.dumps(pid))
                 if warm is not None:
-                    with contextlib.suppress(Exception):
-                        warm()
+                    _bounded(warm, WARM_S)
                     warm = None
             else:
                 pid, timeout = args
                 sock.send(pickle.dumps(_reap(pid, timeout, codes)))
     finally:
         os._exit(0)
+
+
+def _bounded(warm: Callable[[], None], seconds: float) -> None:
+    """`warm()`, its failure ignored, cut short after `seconds` by an alarm (the zygote has one
+    thread; a hung assembler, say, is killed as the alarm interrupts the wait for it), since the
+    rank waits for its next worker meanwhile."""
+
+    def expire(signum: int, frame: Any) -> None:
+        raise TimeoutError(f"warming up took over {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        with contextlib.suppress(Exception):
+            warm()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def _reap(pid: int, timeout: float, codes: dict[int, int | None]) -> tuple[bool, int | None]:
