@@ -81,6 +81,8 @@ def warm_task(payload: dict[str, Any]) -> dict[str, Any]:
 
 # CUDA contexts a GPU's workers make at once under `contexts_in_turn`.
 CONTEXTS_AT_ONCE = 2
+# How often a process waiting for a turn tries them all again (so that none sits unused).
+TURN_POLL_S = 0.01
 
 
 @contextlib.contextmanager
@@ -101,10 +103,6 @@ def contexts_in_turn() -> Iterator[None]:
     finally:
         for turn in turns:
             turn.close()
-
-
-# How often a process waiting for a turn tries them all again (so that none sits unused).
-TURN_POLL_S = 0.01
 
 
 def _turns() -> list[IO[str]]:
