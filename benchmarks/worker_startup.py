@@ -1,9 +1,9 @@
 """Where a tuning worker's start goes on a GPU host (issue 37): how long CUDA contexts take when
-many processes make them at once (free, or in tunegen's turns: `trial.contexts_in_turn`, one at a
-time for the host when measured on 2026-11-26, two per GPU now), what `tunegen tune` does before
-its ranks start, and what a compile worker's first compile costs against its second, with and
-without the compiler warmed before the fork. Run from a process that has not touched CUDA; prints
-a table, writes JSON.
+many processes make them at once, what `tunegen tune` does before its ranks start, and what a
+compile worker's first compile costs against its second, with and without the compiler warmed
+before the fork; and that its compiles (on meta tensors) make no CUDA context and write what the
+timing worker's launch on real tensors then finds in Triton's cache. Run from a process that has
+not touched CUDA; prints a table, writes JSON.
 
     python3 worker_startup.py -o results/worker_startup_h200x2.json
 """
@@ -11,7 +11,7 @@ a table, writes JSON.
 from __future__ import annotations
 
 import argparse
-import contextlib
+import ctypes
 import json
 import multiprocessing
 import os
@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 import triton
@@ -27,26 +28,25 @@ import triton
 from tunegen.kernels.compiler import warm_compiler
 from tunegen.kernels.families import get
 from tunegen.kernels.gpu import Gpu
+from tunegen.tuning import trial
 from tunegen.tuning.presets import preset, problems
-from tunegen.tuning.trial import compile_task, contexts_in_turn
 from tunegen.tuning.zygote import usable
 
 
-def _context(start: float, device: int, gated: bool, out: multiprocessing.Queue) -> None:
+def _context(start: float, device: int, out: multiprocessing.Queue) -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = str(device)  # as a rank's workers see their GPU
-    with contexts_in_turn() if gated else contextlib.nullcontext():
-        torch.empty(1, device="cuda")
-        torch.cuda.synchronize()
+    torch.empty(1, device="cuda")
+    torch.cuda.synchronize()
     out.put(time.time() - start)
 
 
-def contexts(count: int, gpus: int, gated: bool) -> list[float]:
+def contexts(count: int, gpus: int) -> list[float]:
     """Seconds from a common start until each of `count` forked processes had its context
     (spread over `gpus` devices)."""
     fork = multiprocessing.get_context("fork")
     out = fork.Queue()
     start = time.time()
-    procs = [fork.Process(target=_context, args=(start, i % gpus, gated, out)) for i in range(count)]
+    procs = [fork.Process(target=_context, args=(start, i % gpus, out)) for i in range(count)]
     for p in procs:
         p.start()
     times = sorted(out.get() for _ in procs)
@@ -55,25 +55,53 @@ def contexts(count: int, gpus: int, gated: bool) -> list[float]:
     return times
 
 
+def _context_made() -> bool:
+    """Whether this process holds device 0's primary CUDA context (asked of the driver itself,
+    which makes none to answer)."""
+    cuda = ctypes.CDLL("libcuda.so.1")
+    device, flags, active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
+    assert cuda.cuInit(0) == 0 and cuda.cuDeviceGet(ctypes.byref(device), 0) == 0
+    assert cuda.cuDevicePrimaryCtxGetState(device, ctypes.byref(flags), ctypes.byref(active)) == 0
+    return bool(active.value)
+
+
+def _cubins() -> int:
+    return len(list(Path(os.environ["TRITON_CACHE_DIR"]).rglob("*.cubin")))
+
+
 def _compiles(payloads: list[dict], out: multiprocessing.Queue) -> None:
+    """A compile worker's tasks, timed, then whether they made a CUDA context."""
     steps = {}
-    t = time.time()
-    torch.empty(1, device="cuda")
-    torch.cuda.synchronize()
-    steps["context"] = time.time() - t
     for i, payload in enumerate(payloads):
         t = time.time()
         try:
-            steps[f"status {i}"] = compile_task(payload)["status"]
+            steps[f"status {i}"] = trial.compile_task(payload)["status"]
         except Exception as exc:  # as a worker reports it
             steps[f"status {i}"] = f"{type(exc).__name__}: {exc}"[:120]
         steps[f"compile {i}"] = time.time() - t
+    steps["context made"] = _context_made()
+    out.put(steps)
+
+
+def _real_binds(payloads: list[dict], out: multiprocessing.Queue) -> None:
+    """The timing worker's side: a context, then each Variant on real inputs, bound and run once;
+    the kernels it compiled itself (none if the compile worker's entries were found)."""
+    steps = {}
+    torch.empty(1, device="cuda")
+    for i, payload in enumerate(payloads):
+        _, case = trial._case(payload)
+        before, t = _cubins(), time.time()
+        case.launch()
+        torch.cuda.synchronize()
+        steps[f"bind and run {i}"] = time.time() - t
+        steps[f"compiled again {i}"] = _cubins() - before
     out.put(steps)
 
 
 def first_compiles(payloads: list[dict], warm: bool, capability: tuple[int, int]) -> dict:
-    """A forked process's context, then each payload's compile; with `warm`, the compiler warmed
-    in a forked parent first (no CUDA), as a rank's zygote does."""
+    """A forked process's compile of each payload, then a second one's launch of each on real
+    inputs; with `warm`, the compiler warmed in a forked parent first (no CUDA), as a rank's
+    zygote does."""
     fork = multiprocessing.get_context("fork")
     out = fork.Queue()
 
@@ -82,13 +110,14 @@ def first_compiles(payloads: list[dict], warm: bool, capability: tuple[int, int]
             t = time.time()
             warm_compiler(capability)
             print(f"  tiny compile before the fork: {time.time() - t:.2f} s", flush=True)
-        p = fork.Process(target=_compiles, args=(payloads, out))
-        p.start()
-        p.join()
+        for target in (_compiles, _real_binds):
+            p = fork.Process(target=target, args=(payloads, out))
+            p.start()
+            p.join()
 
     holder = fork.Process(target=child)
     holder.start()
-    steps = out.get()
+    steps = {**out.get(), **out.get()}
     holder.join()
     return steps
 
@@ -138,22 +167,12 @@ def main() -> None:
     results: dict = {"command start": command_start(), "contexts": [], "compiles": []}
     print(json.dumps(results["command start"], indent=1), flush=True)
     for count in () if args.no_contexts else (1, 8, 17, 34):
-        for gated in (False, True):
-            times = contexts(count, gpus, gated)
-            row = {
-                "count": count,
-                "gated": gated,
-                "first": times[0],
-                "median": statistics.median(times),
-                "last": times[-1],
-            }
-            results["contexts"].append(row)
-            label = "gated" if gated else "free"
-            print(
-                f"contexts {count:2d} {label}: first {times[0]:.2f}, median {row['median']:.2f}, last",
-                end=" ",
-            )
-            print(f"{times[-1]:.2f} s", flush=True)
+        times = contexts(count, gpus)
+        row = {"count": count, "first": times[0], "median": statistics.median(times), "last": times[-1]}
+        results["contexts"].append(row)
+        print(
+            f"contexts {count:2d}: first {times[0]:.2f}, median {row['median']:.2f}, last {times[-1]:.2f} s"
+        )
     problem = problems([preset("llama3-8b")])[-1]
     family = get(problem.family)
     gpu = Gpu("H200", (9, 0), 132, 232448, triton.__version__, "", "cuda")

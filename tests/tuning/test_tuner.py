@@ -19,7 +19,6 @@ from tunegen.kernels.gpu import interpreter_gpu
 from tunegen.kernels.reference import TOLERANCE
 from tunegen.tuning.presets import dry_run, parse_shape, preset, problems
 from tunegen.tuning.study import make_sampler, study_name
-from tunegen.tuning.trial import CONTEXTS_AT_ONCE, contexts_in_turn
 from tunegen.tuning.tuner import TuneOptions, Tuner
 from tunegen.tuning.workers import Worker, WorkerPool
 from tunegen.tuning_db import FailureRecord, Store
@@ -67,44 +66,6 @@ def test_workers_survive_crashes_and_hangs(zygote):
         assert [r["i"] for r in results] == list(range(5)) and len({r["pid"] for r in results}) == 2
     finally:
         pool.close()
-
-
-def _holding(payload):
-    os.environ["TUNEGEN_CACHE_DIR"] = payload["cache"]
-    os.environ["CUDA_VISIBLE_DEVICES"] = payload.get("gpu", "0")
-    with contexts_in_turn():
-        start = time.time()
-        time.sleep(payload["hold_s"])
-        return {"status": "ok", "held": (start, time.time())}
-
-
-def test_cuda_contexts_are_made_in_turns_and_a_dead_holder_frees_its_turn(zygote, tmp_path):
-    pool = WorkerPool(CONTEXTS_AT_ONCE + 2, interpret=True, zygote=zygote)
-    try:
-        for ready in [pool.submit(_echo, {}, 120) for _ in range(CONTEXTS_AT_ONCE + 2)]:
-            ready.result()  # every worker started (spawned ones take seconds), so they ask at once
-        payload = {"cache": str(tmp_path), "hold_s": 0.3}
-        futures = [pool.submit(_holding, payload, 60) for _ in range(CONTEXTS_AT_ONCE + 2)]
-        held = [f.result()["held"] for f in futures]
-        at_once = [sum(1 for a, b in held if a <= start < b) for start, _ in held]
-        assert max(at_once) == CONTEXTS_AT_ONCE, "every turn used, and never more at once"
-        busy = [pool.submit(_holding, {**payload, "hold_s": 2.0}, 60) for _ in range(CONTEXTS_AT_ONCE)]
-        time.sleep(0.5)
-        other = pool.submit(_holding, {**payload, "gpu": "1", "hold_s": 0}, 60).result()["held"]
-        assert all(other[0] < f.result()["held"][1] for f in busy), "another GPU's turns are its own"
-    finally:
-        pool.close()
-    workers = [Worker(interpret=True, zygote=zygote) for _ in range(CONTEXTS_AT_ONCE)]
-    try:
-        for worker in workers:
-            hung = worker.call(_holding, {**payload, "hold_s": 60}, timeout=1)
-            assert hung["status"] == "error", "killed while holding its turn"
-        start = time.time()
-        assert workers[0].call(_holding, {**payload, "hold_s": 0}, timeout=60)["status"] == "ok"
-        assert time.time() - start < 30, "its successor was not kept waiting"
-    finally:
-        for worker in workers:
-            worker.close()
 
 
 def test_search_space_respects_constraints():

@@ -116,11 +116,15 @@ def bound(
     Triton's, such as num_warps) and any later arguments of the same launch key: compiled (or
     found in Triton's cache) now, for `device`; afterwards each call is the compiled kernel's own
     launch on the current stream of `device`. Where kernels do not launch directly (see
-    `direct_launches`), Triton's ordinary path runs on each call."""
+    `direct_launches`), Triton's ordinary path runs on each call. For "meta", the kernel is
+    compiled only (see `compiled_for_meta`) and the function does nothing."""
     clash = set(options) & set(getattr(kernel, "arg_names", ()))
     if clash:
         raise ValueError(f"options: {sorted(clash)} are parameters of the kernel; pass them in args")
     options = {**COMPILE_OPTIONS, **options}
+    if device.type == "meta":
+        compiled_for_meta(kernel, grid, args, options)
+        return _nothing
     if device.type != "cuda" or not direct_launches():
         return lambda *a: kernel[grid](*a, **options)
     index = _index(device)
@@ -163,6 +167,9 @@ def resident_programs(kernel: Any, args: tuple, *, device: torch.device, **optio
     """How many programs of `kernel`, compiled for `args` with `options`, are resident on `device`
     at once: its SMs times the programs one SM holds by registers, shared memory and threads (the
     size of a persistent grid)."""
+    if device.type == "meta":
+        compiled_for_meta(kernel, (1,), args, {**COMPILE_OPTIONS, **options})
+        return device_properties(device).multi_processor_count
     if device.type != "cuda":
         return INTERPRETER_PROGRAMS
     index = _index(device)
@@ -183,8 +190,59 @@ def resident_programs(kernel: Any, args: tuple, *, device: torch.device, **optio
 
 
 def _index(device: torch.device) -> int:
-    """A CUDA device's index, the current one for a bare "cuda"."""
-    return device.index if device.index is not None else torch.cuda.current_device()
+    """A CUDA device's index, the current one for a bare "cuda" (and for "meta": see
+    `compiled_for_meta`)."""
+    if device.type == "meta" or device.index is None:
+        return torch.cuda.current_device()
+    return device.index
+
+
+def device_properties(device: torch.device) -> Any:
+    """torch's properties of the CUDA device that kernels for tensors on `device` run on (the
+    current one for "meta"). Reading them makes no CUDA context."""
+    return torch.cuda.get_device_properties(_index(device))
+
+
+class _Streamless:
+    """Triton's active driver, but for the current stream: a warm-up asks for it before compiling,
+    and making a stream handle would make the process's CUDA context."""
+
+    def __init__(self, driver: Any) -> None:
+        self._driver = driver
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._driver, name)
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+
+def compiled_for_meta(kernel: Any, grid: tuple[int, ...], args: tuple, options: dict[str, Any]) -> Any:
+    """`kernel` compiled (or found in Triton's cache) for `args` on meta tensors, for the current
+    CUDA device, without touching it: no CUDA context, no binary loaded. A meta tensor's address is
+    0, so it specializes as the 16-byte aligned tensors of a real launch do, and the entry written
+    is the one that launch finds. This is how tuning's compile workers compile (CUDA contexts come
+    two to three a second for a whole host, and a binary loaded there would be loaded again where
+    it is timed). Too much shared memory fails here as the binary's load would."""
+    from triton.runtime.errors import OutOfResources
+
+    drivers = triton.runtime.driver
+    active = drivers.active
+    drivers.set_active(_Streamless(active))
+    try:
+        compiled = kernel.warmup(*args, grid=grid, **options)
+    finally:
+        drivers.set_active(active)
+    compiled = compiled.result() if hasattr(compiled, "result") else compiled
+    props = device_properties(torch.device("meta"))
+    limit = getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block
+    if compiled.metadata.shared > limit:
+        raise OutOfResources(compiled.metadata.shared, limit, "shared memory")
+    return compiled
+
+
+def _nothing(*args: Any) -> None:
+    """A bound call over meta tensors: they hold no data, so there is nothing to compute."""
 
 
 def stream_of(device: torch.device) -> Callable[[], Any]:

@@ -6,14 +6,11 @@ Payloads and results are plain dicts (they cross processes).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
-import re
 import statistics
 import time
-from collections.abc import Callable, Iterator
-from typing import IO, Any
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -22,12 +19,6 @@ from tunegen.kernels.families import base, get
 from tunegen.kernels.gpu import gpu_of
 from tunegen.kernels.problem import Problem
 from tunegen.kernels.reference import tolerance
-from tunegen.kernels.render import cache_dir
-
-try:
-    import fcntl
-except ImportError:  # Windows: no file locks, so no turns
-    fcntl = None
 
 
 def _device(payload: dict[str, Any]) -> torch.device:
@@ -69,83 +60,29 @@ def median_ms(
 
 def warm_task(payload: dict[str, Any]) -> dict[str, Any]:
     """Nothing but what every task needs first: this module's imports (Triton, torch, the
-    families), done as it is unpickled, and on a GPU the CUDA context. A worker that gets it at
-    start is ready when its first trial comes, rather than making that trial wait. With
-    "in_turn", the context is made under `contexts_in_turn`."""
-    if payload["backend"] == "cuda":
-        with contexts_in_turn() if payload.get("in_turn") else contextlib.nullcontext():
-            torch.empty(1, device="cuda")
-            torch.cuda.synchronize()
+    families), done as it is unpickled, and with "context" on a GPU, the CUDA context (the timing
+    worker's: compile workers make none, see `compile_task`). A worker that gets it at start is
+    ready when its first task comes, rather than making that task wait."""
+    if payload["backend"] == "cuda" and payload.get("context"):
+        torch.empty(1, device="cuda")
+        torch.cuda.synchronize()
     return {"status": "ok"}
 
 
-# CUDA contexts a GPU's workers make at once under `contexts_in_turn`.
-CONTEXTS_AT_ONCE = 2
-# How often a process waiting for a turn tries them all again (so that none sits unused).
-TURN_POLL_S = 0.01
-
-
-@contextlib.contextmanager
-def contexts_in_turn() -> Iterator[None]:
-    """Hold one of this user's CONTEXTS_AT_ONCE turns at making a CUDA context on the GPUs this
-    process sees (file locks in tunegen's cache, released by the kernel if the holder dies). The
-    driver makes contexts little faster side by side, and every one of them ends last: on 2 x H200
-    (2026-11-26) 34 made at once were all ready after 5.5-10.4 s, 34 made one at a time each after
-    0.47 s more than the one before. So the compile workers of a rank take turns, and the first
-    ones start compiling within a second; each GPU has turns of its own, since with turns shared
-    by the host one rank's workers took all sixteen before the other's got one. Without a cache
-    folder to lock in, or file locks (Windows), nobody waits."""
-    turns = _turns()
-    try:
-        while turns and not any(_took(turn) for turn in turns):
-            time.sleep(TURN_POLL_S)
-        yield
-    finally:
-        for turn in turns:
-            turn.close()
-
-
-def _turns() -> list[IO[str]]:
-    """The turn files of the GPUs this process sees, open; none where they cannot be."""
-    if fcntl is None:
-        return []
-    seen = re.sub(r"[^A-Za-z0-9,-]", "_", os.environ.get("CUDA_VISIBLE_DEVICES", "all"))[:200]
-    turns: list[IO[str]] = []
-    try:
-        folder = cache_dir()
-        folder.mkdir(parents=True, exist_ok=True)
-        for i in range(CONTEXTS_AT_ONCE):
-            turns.append(open(folder / f"cuda-contexts.{seen}.{i}.lock", "a"))  # noqa: SIM115
-    except OSError:
-        for turn in turns:
-            turn.close()
-        return []
-    return turns
-
-
-def _took(turn: IO[str]) -> bool:
-    try:
-        fcntl.flock(turn, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    return True
-
-
 def compile_task(payload: dict[str, Any]) -> dict[str, Any]:
-    """Render, compile and load the binary for the case's inputs (so it is in Triton's cache for
-    the timing worker), without running the kernel: the timing worker may be timing on that GPU.
-    Only making the inputs touches it; their memory is given back at once, for the next worker.
-    The result says how many seconds it took (the tuner paces its compiles by it)."""
+    """Render and compile the Variant for the case's inputs into Triton's cache, where the timing
+    worker finds it, without running it. For a GPU the inputs are meta tensors and nothing touches
+    the GPU (launcher.compiled_for_meta): the driver makes CUDA contexts two to three a second for
+    a whole host (2 x H200, 2026-11-26), so thirty-two compile workers each making one held the
+    first compiles back for seconds. The result says how many seconds it took (the tuner paces
+    its compiles by it)."""
     start = time.monotonic()
     problem = Problem(**payload["problem"])
     family = get(problem.family)
-    device = _device(payload)
+    device = torch.device("meta") if payload["backend"] == "cuda" else _device(payload)
     kernel = base.build(family, family.variant_type.from_json(payload["variant"]), problem, gpu_of(device))
     binding = dataclasses.replace(kernel, launch=kernel.bind)  # the case's launch binds, runs nothing
     family.case(problem, binding, device, payload["seed"]).launch()
-    _sync(payload)
-    if payload["backend"] == "cuda":
-        torch.cuda.empty_cache()
     return {"status": "ok", "seconds": time.monotonic() - start}
 
 

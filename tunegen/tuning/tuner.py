@@ -68,22 +68,21 @@ class Tuner(FinalRound):
             # The timing worker first: its CUDA context is the first thing the GPU waits for.
             self.timer = Worker(interpret=interpret, cpus=cpus and cpus[:1], zygote=zygote)
             self._timing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tunegen-timing")
-            self._timing.submit(self._on_gpu, "warm-up", None, warm_task, warm)
+            self._timing.submit(self._on_gpu, "warm-up", None, warm_task, {**warm, "context": True})
             self.pool = WorkerPool(
                 options.workers,
                 interpret=interpret,
                 cpus=cpus and cpus[1:],
                 timeline=self.timeline,
-                # Forked, all at once: one started mid-run took 3-4 s over its first compile (its
-                # CUDA context, Triton's first compile) against 1 s after, stalling the GPU.
+                # Forked, all at once: one started mid-run took 3-4 s over its first compile
+                # (then its CUDA context, and Triton's first compile) against 1 s after.
                 start=options.workers if zygote else min(options.workers, FIRST_AHEAD),
                 zygote=zygote,
             )
-            # Theirs in turns (the timing worker's first, it does not wait): the first compiles
-            # start as soon as a context is made, not once all are.
             for _ in range(self.pool.started):
-                self.pool.submit(warm_task, {**warm, "in_turn": True}, options.trial_timeout, ("warm-up", ""))
-        # The workers start (a CUDA context each, spawned ones their imports) while the database opens.
+                self.pool.submit(warm_task, warm, options.trial_timeout, ("warm-up", ""))
+        # The workers start (the timing worker's CUDA context, spawned ones their imports) while
+        # the database opens.
         try:
             self.store = open_store(self.url)
             self.storage = studies.storage(self.url, options.heartbeat_s, options.grace_s)

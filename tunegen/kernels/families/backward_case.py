@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from tunegen.kernels.families.base import Case, Kernel
+from tunegen.kernels.families.base import Case, Kernel, generator
 from tunegen.kernels.launch_args import BackwardArgs
 from tunegen.kernels.problem import TORCH_DTYPES, Problem
 from tunegen.kernels.reference import causal_mask
@@ -86,7 +86,7 @@ def backward_peer(
 
 
 def backward_case(problem: Problem, kernel: Kernel | None, device: torch.device, seed: int) -> Case:
-    gen = torch.Generator(device).manual_seed(seed)
+    gen = generator(device, seed)
     dtype = TORCH_DTYPES[problem.dtype]
     b, nq, nk, d = problem.batch, problem.seqlen_q, problem.seqlen_k, problem.head_dim
     hq, hkv = problem.num_heads_q, problem.num_heads_kv

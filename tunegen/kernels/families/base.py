@@ -7,6 +7,8 @@ import itertools
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, Protocol
 
+import torch
+
 from tunegen.kernels.gpu import Gpu
 from tunegen.kernels.problem import Problem
 from tunegen.kernels.render import Rendered, load, render
@@ -25,6 +27,14 @@ class Case:
     peers: dict[str, Callable[[], Any]]
     peer_error: Callable[[Any], float]
     public: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+
+
+def generator(device: torch.device, seed: int) -> torch.Generator | None:
+    """A generator on `device` seeded with `seed` for a case's inputs; none on "meta", whose
+    tensors are shapes only (the inputs tuning's compile workers bind kernels to)."""
+    if device.type == "meta":
+        return None
+    return torch.Generator(device).manual_seed(seed)
 
 
 @dataclasses.dataclass(frozen=True)

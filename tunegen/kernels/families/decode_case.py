@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from tunegen.kernels import fp8
-from tunegen.kernels.families.base import Case, Kernel
+from tunegen.kernels.families.base import Case, Kernel, generator
 from tunegen.kernels.launch_args import DecodeArgs
 from tunegen.kernels.problem import TORCH_DTYPES, Problem
 from tunegen.kernels.reference import attention_reference
@@ -16,7 +16,7 @@ from tunegen.kernels.reference import attention_reference
 
 def decode_case(problem: Problem, kernel: Kernel | None, device: torch.device, seed: int) -> Case:
     # Drawn on the device: a 32k-token cache for batch 64 is 2 G values, minutes on the host.
-    gen = torch.Generator(device).manual_seed(seed)
+    gen = generator(device, seed)
     dtype = TORCH_DTYPES[problem.dtype]
     b, nq, length, d = problem.batch, problem.seqlen_q, problem.seqlen_k, problem.head_dim
     hq, hkv = problem.num_heads_q, problem.num_heads_kv

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from tunegen.kernels import fp8, quantize
-from tunegen.kernels.families.base import Case, Kernel
+from tunegen.kernels.families.base import Case, Kernel, generator
 from tunegen.kernels.launch_args import PrefillArgs
 from tunegen.kernels.problem import TORCH_DTYPES, Problem
 from tunegen.kernels.reference import attention_reference, sampled_error
@@ -17,7 +17,7 @@ FULL_REFERENCE_LIMIT = 2**22  # score elements: above this, check sampled rows
 
 
 def prefill_case(problem: Problem, kernel: Kernel | None, device: torch.device, seed: int) -> Case:
-    gen = torch.Generator(device).manual_seed(seed)
+    gen = generator(device, seed)
     rows = torch.Generator().manual_seed(seed)  # which rows the sampled check takes
     dtype = TORCH_DTYPES[problem.dtype]
     b, nq, nk, d = problem.batch, problem.seqlen_q, problem.seqlen_k, problem.head_dim
