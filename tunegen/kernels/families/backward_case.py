@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from tunegen.kernels.families.base import Case, Kernel, generator
+from tunegen.kernels.families.base import Case, Kernel, generator, normal
 from tunegen.kernels.launch_args import BackwardArgs
 from tunegen.kernels.problem import TORCH_DTYPES, Problem
 from tunegen.kernels.reference import causal_mask
@@ -91,8 +91,7 @@ def backward_case(problem: Problem, kernel: Kernel | None, device: torch.device,
     b, nq, nk, d = problem.batch, problem.seqlen_q, problem.seqlen_k, problem.head_dim
     hq, hkv = problem.num_heads_q, problem.num_heads_kv
     q, k, v, dout = (
-        torch.randn(b, h, n, d, generator=gen, device=device).to(dtype)
-        for h, n in ((hq, nq), (hkv, nk), (hkv, nk), (hq, nq))
+        normal((b, h, n, d), gen, device).to(dtype) for h, n in ((hq, nq), (hkv, nk), (hkv, nk), (hq, nq))
     )
     scale = d**-0.5
     out64, lse64, *ref = reference_backward(q, k, v, dout, causal=problem.causal, scale=scale)

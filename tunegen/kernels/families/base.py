@@ -37,6 +37,20 @@ def generator(device: torch.device, seed: int) -> torch.Generator | None:
     return torch.Generator(device).manual_seed(seed)
 
 
+def normal(
+    shape: tuple[int, ...],
+    gen: torch.Generator | None,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Standard normal values drawn by `gen` (see `generator`) on `device`; on "meta" the tensor
+    alone, without a draw: torch draws meta values through a path whose first use imports
+    torch._dynamo (1.4 s of each compile worker's first compile on the CI machine)."""
+    if device.type == "meta":
+        return torch.empty(shape, device=device, dtype=dtype)
+    return torch.randn(shape, generator=gen, device=device, dtype=dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class Kernel:
     """A Variant rendered for one Problem's features and imported: `launch` runs it; `bind` takes

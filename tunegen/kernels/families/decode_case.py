@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from tunegen.kernels import fp8
-from tunegen.kernels.families.base import Case, Kernel, generator
+from tunegen.kernels.families.base import Case, Kernel, generator, normal
 from tunegen.kernels.launch_args import DecodeArgs
 from tunegen.kernels.problem import TORCH_DTYPES, Problem
 from tunegen.kernels.reference import attention_reference
@@ -20,9 +20,9 @@ def decode_case(problem: Problem, kernel: Kernel | None, device: torch.device, s
     dtype = TORCH_DTYPES[problem.dtype]
     b, nq, length, d = problem.batch, problem.seqlen_q, problem.seqlen_k, problem.head_dim
     hq, hkv = problem.num_heads_q, problem.num_heads_kv
-    q = torch.randn(b, nq, hq, d, generator=gen, device=device).to(dtype)
-    keys = torch.randn(b, length, hkv, d, generator=gen, device=device, dtype=dtype)
-    values = torch.randn(b, length, hkv, d, generator=gen, device=device, dtype=dtype)
+    q = normal((b, nq, hq, d), gen, device).to(dtype)
+    keys = normal((b, length, hkv, d), gen, device, dtype)
+    values = normal((b, length, hkv, d), gen, device, dtype)
     seqlens = torch.full((b,), length, dtype=torch.int32, device=device)
     table = None
     k_cache, v_cache = keys, values

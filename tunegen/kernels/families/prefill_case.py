@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from tunegen.kernels import fp8, quantize
-from tunegen.kernels.families.base import Case, Kernel, generator
+from tunegen.kernels.families.base import Case, Kernel, generator, normal
 from tunegen.kernels.launch_args import PrefillArgs
 from tunegen.kernels.problem import TORCH_DTYPES, Problem
 from tunegen.kernels.reference import attention_reference, sampled_error
@@ -22,7 +22,7 @@ def prefill_case(problem: Problem, kernel: Kernel | None, device: torch.device, 
     dtype = TORCH_DTYPES[problem.dtype]
     b, nq, nk, d = problem.batch, problem.seqlen_q, problem.seqlen_k, problem.head_dim
     q, k, v = (
-        torch.randn(b, h, n, d, generator=gen, device=device).to(dtype)
+        normal((b, h, n, d), gen, device).to(dtype)
         for h, n in ((problem.num_heads_q, nq), (problem.num_heads_kv, nk), (problem.num_heads_kv, nk))
     )
     scale = d**-0.5
