@@ -11,10 +11,13 @@ not touched CUDA; prints a table, writes JSON.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import ctypes
+import io
 import json
 import multiprocessing
 import os
+import pstats
 import statistics
 import subprocess
 import sys
@@ -74,11 +77,16 @@ def _compiles(payloads: list[dict], out: multiprocessing.Queue) -> None:
     steps = {}
     for i, payload in enumerate(payloads):
         t = time.time()
+        profile = cProfile.Profile()
         try:
-            steps[f"status {i}"] = trial.compile_task(payload)["status"]
+            steps[f"status {i}"] = profile.runcall(trial.compile_task, payload)["status"]
         except Exception as exc:  # as a worker reports it
             steps[f"status {i}"] = f"{type(exc).__name__}: {exc}"[:120]
         steps[f"compile {i}"] = time.time() - t
+        if i == 0:  # where a first compile's time goes, by cumulative time
+            text = io.StringIO()
+            pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(30)
+            steps["profile 0"] = text.getvalue().splitlines()[-32:]
     steps["context made"] = _context_made()
     out.put(steps)
 
@@ -188,7 +196,8 @@ def main() -> None:
         ]
         steps = first_compiles(payloads, warm, gpu.capability)
         results["compiles"].append({"warm": warm, **steps})
-        print(f"first compiles, {'warmed' if warm else 'cold'}: {steps}", flush=True)
+        shown = {k: v for k, v in steps.items() if k != "profile 0"}
+        print(f"first compiles, {'warmed' if warm else 'cold'}: {shown}", flush=True)
     results["space"] = {k: len(v) for k, v in space.items()}
     with open(args.output, "w") as f:
         json.dump(results, f, indent=1)

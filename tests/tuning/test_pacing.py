@@ -81,6 +81,7 @@ def test_chrome_trace_names_a_process_per_gpu_and_a_thread_per_lane(tmp_path):
 def test_flight_keeps_a_compile_over_a_timing_ahead_of_the_gpu():
     flight = Flight(compile_workers=16)
     assert flight.depth() == FIRST_AHEAD, "before anything is measured"
+    assert Flight(compile_workers=16, first_ahead=16).depth() == 16
     flight.compiled(1.0)
     flight.timed(0.25)
     assert flight.depth() == 4 + 2

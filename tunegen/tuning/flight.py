@@ -27,7 +27,10 @@ from tunegen.kernels.variant import Variant
 # while the tuner asks the sampler (with two ranks on 2 x H200 an ask took 55-60 ms, up to 250 ms,
 # and compiled trials waited 0.9-1.5 s of a 57-s run to be queued behind one trial of 0.15 s).
 GPU_QUEUE = 3
-# Trials kept ahead of the GPU before the first compile and timing have been measured.
+# Trials kept ahead of the interpreter before the first compile and timing have been measured. A
+# GPU gets all its compile workers at once: there a compile takes 1-5 s and a timing 0.15-0.2 s,
+# so the estimates ask for them all anyway, and four ahead until they were measured left twelve of
+# sixteen workers idle for the first 4 s of a run (2 x H200, 2026-11-26).
 FIRST_AHEAD = 4
 # Weight of the newest measurement in the running compile and timing estimates.
 SMOOTHING = 0.3
@@ -64,8 +67,9 @@ class Asks:
 class Flight:
     """What is in flight, and running estimates of a compile's and a GPU timing's seconds."""
 
-    def __init__(self, compile_workers: int) -> None:
+    def __init__(self, compile_workers: int, first_ahead: int = FIRST_AHEAD) -> None:
         self.workers = compile_workers
+        self.first_ahead = first_ahead
         self.compiling: dict[concurrent.futures.Future, Pending] = {}
         self.ready: dict[Problem, deque[Pending]] = {}
         self.timing: dict[concurrent.futures.Future, Pending] = {}
@@ -98,9 +102,10 @@ class Flight:
 
     def depth(self) -> int:
         """How many trials to keep ahead of the GPU: a compile's time over a timing's, plus two
-        (one to take, one for a slow compile), within the compile workers there are."""
+        (one to take, one for a slow compile), within the compile workers there are; before
+        both are measured, `first_ahead`."""
         if self.compile_s is None or self.gpu_s is None:
-            return min(self.workers, FIRST_AHEAD)
+            return min(self.workers, self.first_ahead)
         return min(self.workers, math.ceil(self.compile_s / max(self.gpu_s, 1e-3)) + 2)
 
     def holds(self, problem: Problem) -> bool:

@@ -95,7 +95,7 @@ class Tuner(FinalRound):
         self._studies: dict[Problem, optuna.Study] = {}
         self._peers: dict[Problem, dict[str, Any]] = {}
         self._asks: dict[Problem, Asks] = {}
-        self.flight = Flight(self.pool.size)
+        self.flight = Flight(self.pool.size, self.pool.size if gpu.backend == "cuda" else FIRST_AHEAD)
         self.times_peers = times_peers
         self._reported = 0.0  # when progress was last read for a report
 
