@@ -219,6 +219,23 @@ def test_compiled_trials_of_the_next_problem_are_timed_ahead_of_a_final_round(tm
     assert not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
 
 
+@NEEDS_INTERPRETER
+def test_a_rank_that_times_another_problems_peers_times_them_while_its_first_trials_compile(tmp_path):
+    """At a run's start the GPU waits for the first compiles: a rank not timing the first
+    Problem's peers times the next Problem's then, once, ahead of any trial (the first Problem's
+    are timed at its end, where no other process timed them)."""
+    url = f"sqlite:///{tmp_path / 'peers.db'}"
+    options = TuneOptions(trials=3, workers=2, url=url, trial_timeout=300)
+    with Tuner(GPU, options, times_peers=PROBLEMS[1].__eq__) as tuner:
+        tuner.tune(PROBLEMS[0], then=PROBLEMS[1])
+        tuner.tune(PROBLEMS[1])
+        spans = tuner.timeline.take()
+    work = sorted((s for s in spans if s.lane == "gpu" and s.name != "warm-up"), key=lambda s: s.start)
+    assert work[0].name == "peers" and work[0].problem == problem_label(PROBLEMS[1]), work[:2]
+    peers = [s.problem for s in work if s.name == "peers"]
+    assert peers.count(problem_label(PROBLEMS[1])) == 1, "timed once"
+
+
 def _slow_first_problem(payload):
     """compile_task, 1.5 s slower for the first Problem: its last compile is still running when
     the next Problem's first trials are compiled."""

@@ -19,6 +19,7 @@ from tunegen.kernels.gpu import Gpu
 from tunegen.kernels.problem import Problem
 from tunegen.kernels.render import template_hash
 from tunegen.tuning import study as studies
+from tunegen.tuning.flight import Pending
 from tunegen.tuning.interrupt import SLICE_S, check, pause
 from tunegen.tuning.timeline import TUNER, WAIT_OTHERS, problem_label
 from tunegen.tuning.timing import rate
@@ -46,8 +47,9 @@ class Outcome:
 
 
 class FinalRound:
-    """The Tuner's final round on a Problem (a part of Tuner, which provides the study, the
-    timing worker, the store and the search it calls back into)."""
+    """The Tuner's final round on a Problem, and the peers' times it records beside the Winner (a
+    part of Tuner, which provides the study, the timing worker, the store and the search it calls
+    back into)."""
 
     def finalize(
         self,
@@ -96,6 +98,15 @@ class FinalRound:
         if result["status"] == "ok":
             self._peers[problem] = {"name": result["name"], "ms": result["ms"]}
             study.set_user_attr("peer", self._peers[problem])
+
+    def _time_peers(self, problem: Problem) -> None:
+        """Queue the timing of `problem`'s peers on the GPU, if this process times them and they
+        are neither timed nor queued."""
+        if not self.times_peers(problem) or self._peer(self._study(problem), problem) is not None:
+            return
+        if any(p.trial is None and p.problem == problem for p in self.flight.timing.values()):
+            return
+        self._on_gpu_queue(Pending(problem, None, None, self._payload(problem, None, self.options.seed)))
 
     def _peer(self, study: optuna.Study, problem: Problem) -> dict[str, Any] | None:
         """The fastest peer measured in this run: by this process, else by another one."""

@@ -188,10 +188,11 @@ class Tuner(FinalRound):
         if progress is not None:  # trials timed while the Problem before it finished count too
             progress(self._progress(asks.study, problem))
         studies.fail_stale(asks.study, self.options.grace_s)
-        if self._peer(asks.study, problem) is None and self.times_peers(problem):
-            # first, while the first Variants compile: the bar to beat
-            payload = self._payload(problem, None, self.options.seed)
-            self._on_gpu_queue(Pending(problem, None, None, payload))
+        # First, while the first Variants compile: the bar to beat; and where the GPU has no
+        # trial queued (the start of a run), the next Problem's, rather than idling for a compile.
+        self._time_peers(problem)
+        if then is not None and all(p.trial is None for p in self.flight.timing.values()):
+            self._time_peers(then)
         swept = time.monotonic()
         try:
             while True:
