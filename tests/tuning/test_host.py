@@ -196,6 +196,28 @@ def test_final_rounds_are_spread_over_the_ranks_of_a_model():
     assert (a.finals, b.finals) == (1, 2)
 
 
+def test_the_last_final_rounds_wait_for_the_last_search_and_end_side_by_side():
+    """A rank that finished searching a Problem near the end goes on searching the last one
+    rather than take that final round: the ranks then end on a final round each, side by side,
+    not one alone while the other waits."""
+    ranks = [placement.Rank(i, None, GPU) for i in range(2)]
+    run = host._Host([PROBLEMS[0], PROBLEMS[1], PROBLEMS[0]], ranks, FAST, *[lambda *a: None] * 3)
+    a, b = run.states
+    a.conn, b.conn = _Pipe(), _Pipe()
+
+    def say(state, searched, more):
+        before = len(state.conn.sent)
+        run._handle(state, ("ready", searched, more))
+        return state.conn.sent[before:]
+
+    assert say(a, 0, True) == [("go",)]
+    assert say(b, 0, True) == [("finalize", 0)], "not one of the last two"
+    assert say(b, None, True) == say(b, 1, True) == [("go",)]
+    assert say(a, 1, True) == [("go",)], "searched, but one of the last two: a searches Problem 2"
+    assert say(b, 2, False) == [("finalize", 1)], "b, done searching, takes it"
+    assert say(a, 2, False) == [("finalize", 2)], "while a takes the last"
+
+
 def _tune_forever(url):
     with Tuner(GPU, dataclasses.replace(FAST, trials=50, url=url)) as tuner:
         tuner.tune(PROBLEMS[0])

@@ -172,13 +172,21 @@ class _Host:
     def _members(self, gpu: Gpu) -> list[_State]:
         return [s for s in self.states if s.rank.gpu == gpu]
 
-    def _ready(self, gpu: Gpu) -> list[int]:
-        """Problems every rank of this model has searched, not yet handed out."""
-        members = self._members(gpu)
+    def _ready(self, state: _State) -> list[int]:
+        """Problems every rank of this model has searched, not yet handed out, that the rank of
+        `state` may take. One with Problems left to search takes none of the last ones (as many
+        as the model has ranks) before those are all searched: their final rounds then run side by
+        side at the end. Handed out as they came, one GPU ran the last final round alone while the
+        others, which had taken theirs during the last search, stood idle (1.4-2 s of a 22-s
+        llama3-8b run on 2 x H200, 2026-11-26)."""
+        members = self._members(state.rank.gpu)
+        last = len(self.problems) - len(members)
         return [
             j
             for j in range(len(self.problems))
-            if (gpu, j) not in self.assigned and all(j in s.searched for s in members)
+            if (state.rank.gpu, j) not in self.assigned
+            and all(j in s.searched for s in members)
+            and (j < last or not state.more)
         ]
 
     def _group_done(self, gpu: Gpu) -> bool:
@@ -186,7 +194,7 @@ class _Host:
 
     def _answer(self, state: _State) -> None:
         gpu = state.rank.gpu
-        ready = self._ready(gpu)
+        ready = self._ready(state)
         if ready and self._takes_final(state):
             self.assigned.add((gpu, ready[0]))
             state.finalizing.append(ready[0])
