@@ -177,7 +177,7 @@ class _Host:
         `state` may take. One with Problems left to search takes none of the last ones (as many
         as the model has ranks) before those are all searched: their final rounds then run side by
         side at the end. Handed out as they came, one GPU ran the last final round alone while the
-        others, which had taken theirs during the last search, stood idle (1.4-2 s of a 22-s
+        others, which had taken theirs during the last search, stood idle (1.6-1.8 s of a 22-s
         llama3-8b run on 2 x H200, 2026-11-26)."""
         members = self._members(state.rank.gpu)
         last = len(self.problems) - len(members)
