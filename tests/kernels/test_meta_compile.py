@@ -39,6 +39,9 @@ PROBLEMS = {
     "prefill-fp8": Problem("prefill", "bfloat16", 128, False, 4, 2, 1, 256, 256, fp8=True),
     "backward-ws": Problem("backward", "bfloat16", 64, True, 4, 2, 2, 300, 300),
     "decode-paged": Problem("decode", "float16", 128, False, 8, 2, 3, 1, 1000, paged=True, page_size=64),
+    "decode-fp8": Problem(
+        "decode", "bfloat16", 128, False, 8, 2, 3, 1, 1000, paged=True, page_size=64, fp8=True
+    ),
 }
 # Knobs off the family's default for the Problem: the Hopper schedules, which long Problems get.
 KNOBS = {
@@ -47,6 +50,7 @@ KNOBS = {
     "prefill-fp8": {},
     "backward-ws": {"schedule": "ws", "kv_regs": True, "num_stages": 2},
     "decode-paged": {},
+    "decode-fp8": {},
 }
 PERSISTENT = {"prefill-ws": {"persistent": True, "order": "grouped"}}
 
@@ -103,6 +107,10 @@ def _on_meta(cache: str, payloads: list[dict]) -> list[tuple[str, int]]:
     helpers = [m.__dict__["_l2_bytes"] for m in rendered if "_l2_bytes" in m.__dict__]
     l2 = {f(torch.device("meta")) for f in helpers}
     assert l2 == {H100.L2_cache_size}, l2
+    # Computing on meta tensors goes through torch's references, whose first use imports
+    # torch._dynamo: 1.3-1.6 s of a worker's first compile. The cases make their meta inputs
+    # without computing.
+    assert "torch._dynamo" not in sys.modules
     return out
 
 

@@ -40,7 +40,10 @@ LIBRARY = (
 # The launcher the kernels import (templates/_attention.j2, launcher_import), which the package
 # carries as _tunegen/launcher.py.
 KERNEL_IMPORT = "from tunegen.kernels import launcher\n"
-LAUNCHER = ("tunegen.kernels.launcher", ("bound", "key_of", "memoized", "rebased", "stream_of", "workspace"))
+LAUNCHER = (
+    "tunegen.kernels.launcher",
+    ("bound", "device_properties", "key_of", "memoized", "rebased", "stream_of", "workspace"),
+)
 DECODE_LIBRARY = (
     ("tunegen.calls.decode", "DecodeCall", "DecodeCall"),
     ("tunegen.decode", "checking", "checking"),

@@ -73,10 +73,7 @@ def interpreting() -> bool:
 
 
 def gpu_of(device: torch.device) -> Gpu:
-    """The Gpu that runs kernels for tensors on `device` ("meta" stands for the current CUDA
-    device: tuning's compile workers bind kernels to meta tensors, see launcher.compiled_for_meta)."""
-    if device.type == "meta":
-        return cuda_gpu(torch.cuda.current_device())
+    """The Gpu that runs kernels for tensors on `device`."""
     if device.type == "cuda":
         return cuda_gpu(device.index if device.index is not None else torch.cuda.current_device())
     return interpreter_gpu()

@@ -166,7 +166,8 @@ INTERPRETER_PROGRAMS = 4
 def resident_programs(kernel: Any, args: tuple, *, device: torch.device, **options: Any) -> int:
     """How many programs of `kernel`, compiled for `args` with `options`, are resident on `device`
     at once: its SMs times the programs one SM holds by registers, shared memory and threads (the
-    size of a persistent grid)."""
+    size of a persistent grid). For "meta" the kernel is compiled only (see `compiled_for_meta`),
+    and the count is the SMs': the grid is no part of what is compiled."""
     if device.type == "meta":
         compiled_for_meta(kernel, (1,), args, {**COMPILE_OPTIONS, **options})
         return device_properties(device).multi_processor_count

@@ -104,10 +104,9 @@ def quantize(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, hadamard: bool, per_block: bool
 ) -> fp8.Fp8Inputs:
     """`tunegen.quantize_fp8` on checked inputs: the fused kernel on CUDA tensors (and CPU tensors
-    under TRITON_INTERPRET=1; on meta tensors, its outputs' layout, the kernel compiled only),
-    PyTorch operations (`fp8.quantize_reference`) elsewhere."""
+    under TRITON_INTERPRET=1), PyTorch operations (`fp8.quantize_reference`) elsewhere."""
     device = q.device
-    if device.type not in ("cuda", "meta") and not (device.type == "cpu" and interpreting()):
+    if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
         return fp8.quantize_reference(q, k, v, hadamard=hadamard, per_block=per_block)
     out = outputs(q, k, per_block=per_block)
     quantize_into(q, k, v, out, hadamard=hadamard, per_block=per_block)

@@ -99,6 +99,17 @@ class FinalRound:
             self._peers[problem] = {"name": result["name"], "ms": result["ms"]}
             study.set_user_attr("peer", self._peers[problem])
 
+    def _peers_first(self, problem: Problem, then: Problem | None) -> None:
+        """Queue `problem`'s peers, the bar to beat, timed while its first Variants compile; and
+        where the GPU has nothing else to time meanwhile (a run's start), `then`'s, rather than
+        leave it idle."""
+        self._time_peers(problem)
+        idle = not self.flight.ready.get(problem) and all(
+            p.trial is None for p in self.flight.timing.values()
+        )
+        if then is not None and idle:
+            self._time_peers(then)
+
     def _time_peers(self, problem: Problem) -> None:
         """Queue the timing of `problem`'s peers on the GPU, if this process times them and they
         are neither timed nor queued."""

@@ -79,8 +79,9 @@ def compile_task(payload: dict[str, Any]) -> dict[str, Any]:
     start = time.monotonic()
     problem = Problem(**payload["problem"])
     family = get(problem.family)
+    gpu = gpu_of(_device(payload))
     device = torch.device("meta") if payload["backend"] == "cuda" else _device(payload)
-    kernel = base.build(family, family.variant_type.from_json(payload["variant"]), problem, gpu_of(device))
+    kernel = base.build(family, family.variant_type.from_json(payload["variant"]), problem, gpu)
     binding = dataclasses.replace(kernel, launch=kernel.bind)  # the case's launch binds, runs nothing
     family.case(problem, binding, device, payload["seed"]).launch()
     return {"status": "ok", "seconds": time.monotonic() - start}

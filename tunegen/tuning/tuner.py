@@ -95,7 +95,7 @@ class Tuner(FinalRound):
         self._studies: dict[Problem, optuna.Study] = {}
         self._peers: dict[Problem, dict[str, Any]] = {}
         self._asks: dict[Problem, Asks] = {}
-        self.flight = Flight(self.pool.size, self.pool.size if gpu.backend == "cuda" else FIRST_AHEAD)
+        self.flight = Flight(self.pool.size, self.pool.started if gpu.backend == "cuda" else FIRST_AHEAD)
         self.times_peers = times_peers
         self._reported = 0.0  # when progress was last read for a report
 
@@ -188,11 +188,7 @@ class Tuner(FinalRound):
         if progress is not None:  # trials timed while the Problem before it finished count too
             progress(self._progress(asks.study, problem))
         studies.fail_stale(asks.study, self.options.grace_s)
-        # First, while the first Variants compile: the bar to beat; and where the GPU has no
-        # trial queued (the start of a run), the next Problem's, rather than idling for a compile.
-        self._time_peers(problem)
-        if then is not None and all(p.trial is None for p in self.flight.timing.values()):
-            self._time_peers(then)
+        self._peers_first(problem, then)
         swept = time.monotonic()
         try:
             while True:

@@ -27,7 +27,10 @@ def decode_case(problem: Problem, kernel: Kernel | None, device: torch.device, s
     table = None
     k_cache, v_cache = keys, values
     descales = ()
-    if problem.fp8:
+    if problem.fp8 and device.type == "meta":  # shapes only
+        descales = tuple(torch.empty((b, hkv), device=device) for _ in range(2))
+        k_cache, v_cache = (torch.empty_like(x, dtype=fp8.E4M3) for x in (keys, values))
+    elif problem.fp8:
         descales = (fp8.calibrate_kv(keys, 1.0), fp8.calibrate_kv(values, 1.0))
         k_cache, v_cache = (fp8.quantize_kv(x, s) for x, s in zip((keys, values), descales, strict=True))
         keys, values = (
@@ -40,13 +43,14 @@ def decode_case(problem: Problem, kernel: Kernel | None, device: torch.device, s
         page = problem.page_size
         pages = -(-length // page)
         table = torch.randperm(b * pages, generator=gen, device=device).view(b, pages).to(torch.int32)
-        positions = torch.arange(length, device=device)
-        slots = (table.long()[:, positions // page] * page + positions % page).flatten()
         contiguous = (k_cache, v_cache)
         k_cache = torch.zeros((b * pages, page, hkv, d), device=device, dtype=k_cache.dtype)
         v_cache = torch.zeros_like(k_cache)
-        for cache, tokens in zip((k_cache, v_cache), contiguous, strict=True):
-            cache.view(-1, hkv, d)[slots] = tokens.reshape(-1, hkv, d)
+        if device.type != "meta":  # meta tensors hold no tokens to place
+            positions = torch.arange(length, device=device)
+            slots = (table.long()[:, positions // page] * page + positions % page).flatten()
+            for cache, tokens in zip((k_cache, v_cache), contiguous, strict=True):
+                cache.view(-1, hkv, d)[slots] = tokens.reshape(-1, hkv, d)
     scale = d**-0.5
 
     def error_of(out: torch.Tensor) -> float:
