@@ -161,22 +161,36 @@ def _held(url, gpu, problem, process: subprocess.Popen) -> list[int]:
     get through a tiny trial in a fraction of a second, sooner than this notices it and a signal
     goes round: they are paused as they start, holding what they hold until the signal's
     give-back kills them."""
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(f"the tuning process ended before it held a trial:\n{process.stdout.read()}")
-        _pause_workers(process.pid)
-        time.sleep(0.05)
-        try:
-            trials = _trials(url, gpu, problem)
-        except KeyError:  # the study is not created yet
-            continue
-        except sqlalchemy.exc.SQLAlchemyError:  # this poll raced the tuning process creating the tables
-            continue
-        held = [t.number for t in trials if t.state == TrialState.RUNNING and "variant" in t.user_attrs]
-        if held:
-            return held
-    raise AssertionError("the tuning process never held a trial")
+    done = threading.Event()
+
+    def pausing() -> None:  # apart from the database's polls, which under load take 0.1 s and more
+        while not done.is_set():
+            _pause_workers(process.pid)
+            time.sleep(0.002)
+
+    pauser = threading.Thread(target=pausing, daemon=True)
+    pauser.start()
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise AssertionError(
+                    f"the tuning process ended before it held a trial:\n{process.stdout.read()}"
+                )
+            time.sleep(0.05)
+            try:
+                trials = _trials(url, gpu, problem)
+            except KeyError:  # the study is not created yet
+                continue
+            except sqlalchemy.exc.SQLAlchemyError:  # this poll raced the tuning process creating the tables
+                continue
+            held = [t.number for t in trials if t.state == TrialState.RUNNING and "variant" in t.user_attrs]
+            if held:
+                return held
+        raise AssertionError("the tuning process never held a trial")
+    finally:
+        done.set()
+        pauser.join()
 
 
 def _pause_workers(host: int) -> None:
