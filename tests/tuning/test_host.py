@@ -171,21 +171,28 @@ class _Pipe:
         self.sent.append(message)
 
 
-def test_final_rounds_are_spread_over_the_ranks_of_a_model():
-    """The rank that finishes searching a Problem last takes its final round, unless it has had
-    more of them than a rank with Problems left to search, which takes it at its next stop; at
-    the end each rank takes one, side by side."""
+def _two_ranks_of_three_problems():
+    """A host of two ranks of one model over three Problems, its ranks' pipes recorded; and `say`,
+    which hands it a rank's "ready" (the Problem it searched, whether it has more) and returns
+    what the host answered."""
     ranks = [placement.Rank(i, None, GPU) for i in range(2)]
-    problems = [PROBLEMS[0], PROBLEMS[1], PROBLEMS[0]]
-    run = host._Host(problems, ranks, FAST, lambda *a: None, lambda *a: None, lambda *a: None)
-    a, b = run.states
-    a.conn, b.conn = _Pipe(), _Pipe()
+    run = host._Host([PROBLEMS[0], PROBLEMS[1], PROBLEMS[0]], ranks, FAST, *[lambda *a: None] * 3)
+    for state in run.states:
+        state.conn = _Pipe()
 
     def say(state, searched, more):
         before = len(state.conn.sent)
         run._handle(state, ("ready", searched, more))
         return state.conn.sent[before:]
 
+    return *run.states, say
+
+
+def test_final_rounds_are_spread_over_the_ranks_of_a_model():
+    """The rank that finishes searching a Problem last takes its final round, unless it has had
+    more of them than a rank with Problems left to search, which takes it at its next stop; at
+    the end each rank takes one, side by side."""
+    a, b, say = _two_ranks_of_three_problems()
     assert say(a, 0, True) == [("go",)], "Problem 0 is not searched by both yet"
     assert say(b, 0, True) == [("finalize", 0)], "the last to finish searching it"
     assert say(b, None, True) == [("go",)]
@@ -200,16 +207,7 @@ def test_the_last_final_rounds_wait_for_the_last_search_and_end_side_by_side():
     """A rank that finished searching a Problem near the end goes on searching the last one
     rather than take that final round: the ranks then end on a final round each, side by side,
     not one alone while the other waits."""
-    ranks = [placement.Rank(i, None, GPU) for i in range(2)]
-    run = host._Host([PROBLEMS[0], PROBLEMS[1], PROBLEMS[0]], ranks, FAST, *[lambda *a: None] * 3)
-    a, b = run.states
-    a.conn, b.conn = _Pipe(), _Pipe()
-
-    def say(state, searched, more):
-        before = len(state.conn.sent)
-        run._handle(state, ("ready", searched, more))
-        return state.conn.sent[before:]
-
+    a, b, say = _two_ranks_of_three_problems()
     assert say(a, 0, True) == [("go",)]
     assert say(b, 0, True) == [("finalize", 0)], "not one of the last two"
     assert say(b, None, True) == say(b, 1, True) == [("go",)]
