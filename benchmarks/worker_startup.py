@@ -26,12 +26,11 @@ import time
 from pathlib import Path
 
 import torch
-import triton
 
-from tunegen.kernels.compiler import warm_compiler
+from tunegen.kernels.compiler import ready_to_fork, warm_compiler
 from tunegen.kernels.families import get
-from tunegen.kernels.gpu import Gpu
-from tunegen.tuning import trial
+from tunegen.kernels.gpu import DeviceFacts, set_meta_device
+from tunegen.tuning import ranks, trial
 from tunegen.tuning.presets import preset, problems
 from tunegen.tuning.zygote import usable
 
@@ -106,18 +105,20 @@ def _real_binds(payloads: list[dict], out: multiprocessing.Queue) -> None:
     out.put(steps)
 
 
-def first_compiles(payloads: list[dict], warm: bool, capability: tuple[int, int]) -> dict:
+def first_compiles(payloads: list[dict], warm: bool, facts: DeviceFacts) -> dict:
     """A forked process's compile of each payload, then a second one's launch of each on real
-    inputs; with `warm`, the compiler warmed in a forked parent first (no CUDA), as a rank's
-    zygote does."""
+    inputs; with `warm`, a forked parent first gets ready as the host and a rank's zygote do
+    (Triton's key and driver, the device's facts, the compiler warmed; no CUDA)."""
     fork = multiprocessing.get_context("fork")
     out = fork.Queue()
 
     def child() -> None:
-        if warm:
+        if warm:  # as the host, then a rank's zygote, do before the compile workers are forked
             t = time.time()
-            warm_compiler(capability)
-            print(f"  tiny compile before the fork: {time.time() - t:.2f} s", flush=True)
+            ready_to_fork()
+            set_meta_device(facts)
+            warm_compiler((facts.major, facts.minor))
+            print(f"  ready to fork: {time.time() - t:.2f} s", flush=True)
         for target in (_compiles, _real_binds):
             p = fork.Process(target=target, args=(payloads, out))
             p.start()
@@ -138,12 +139,29 @@ t.append(time.time())
 from tunegen.tuning import host, presets, ranks, timeline
 from tunegen.tuning.tuner import TuneOptions
 t.append(time.time())
-ranks.cuda_gpus()
+ranks.cuda_devices()
 t.append(time.time())
-ranks.cuda_gpus()
-t.append(time.time())
-steps = ("tunegen.cli", "tune's imports", "devices", "devices again")
-print(json.dumps(dict(zip(steps, [b - a for a, b in zip(t, t[1:])]))))
+steps = ("tunegen.cli", "tune's imports", "devices, this process getting ready meanwhile")
+print(json.dumps({**dict(zip(steps, [b - a for a, b in zip(t, t[1:])])), "printed": time.time()}))
+"""
+
+# What the host does while its devices child asks CUDA (ranks._get_ready), each part timed
+# alone, and the devices child alone.
+PARTS = """
+import json, multiprocessing, time
+import tunegen.cli.main
+import triton.backends
+from triton.runtime.cache import triton_key
+from tunegen.kernels.gpu import driver_version
+from tunegen.tuning import ranks
+steps = {}
+t = time.time(); triton_key(); steps["Triton's key"] = time.time() - t
+t = time.time(); triton.backends.backends["nvidia"].driver(); steps["Triton's CUDA driver"] = time.time() - t
+t = time.time(); driver_version(); steps["nvidia-smi"] = time.time() - t
+fork = multiprocessing.get_context("fork")
+t = time.time(); child = fork.Process(target=ranks._devices); child.start(); child.join()
+steps["devices child alone"] = time.time() - t
+print(json.dumps(steps))
 """
 
 
@@ -152,6 +170,12 @@ def command_start() -> dict:
     imports, then the host's devices (asked in a forked child); and the slowest imports."""
     steps = json.loads(
         subprocess.run([sys.executable, "-c", START], capture_output=True, text=True, check=True).stdout
+    )
+    steps["exit"] = time.time() - steps.pop("printed")
+    steps.update(
+        json.loads(
+            subprocess.run([sys.executable, "-c", PARTS], capture_output=True, text=True, check=True).stdout
+        )
     )
     traced = subprocess.run(
         [sys.executable, "-X", "importtime", "-c", "import tunegen.cli.main"], capture_output=True, text=True
@@ -162,6 +186,17 @@ def command_start() -> dict:
     cumulative = sorted(((int(r[1]), r[2].rstrip()) for r in rows if r[1].strip().isdigit()), reverse=True)
     steps["slowest imports (cumulative s)"] = [(name.strip(), us / 1e6) for us, name in cumulative[:12]]
     return steps
+
+
+def _facts() -> DeviceFacts:
+    """Device 0's facts, asked in a forked child (this process must not touch CUDA)."""
+    fork = multiprocessing.get_context("fork")
+    out = fork.Queue()
+    child = fork.Process(target=lambda: out.put(ranks._devices()[0]))
+    child.start()
+    facts = out.get(timeout=60)  # raises where the child died without an answer
+    child.join()
+    return facts
 
 
 def main() -> None:
@@ -183,7 +218,8 @@ def main() -> None:
         )
     problem = problems([preset("llama3-8b")])[-1]
     family = get(problem.family)
-    gpu = Gpu("H200", (9, 0), 132, 232448, triton.__version__, "", "cuda")
+    facts = _facts()
+    gpu = facts.gpu()
     space = family.search_space(problem, gpu)
     default = family.default_variant(problem, gpu)
     flipped = {"pingpong": not default.pingpong} if default.schedule == "ws" else {"num_warps": 4}
@@ -194,7 +230,7 @@ def main() -> None:
             {"problem": problem.as_dict(), "variant": v.to_json(), "backend": "cuda", "seed": 0}
             for v in (default, other)
         ]
-        steps = first_compiles(payloads, warm, gpu.capability)
+        steps = first_compiles(payloads, warm, facts)
         results["compiles"].append({"warm": warm, **steps})
         shown = {k: v for k, v in steps.items() if k != "profile 0"}
         print(f"first compiles, {'warmed' if warm else 'cold'}: {shown}", flush=True)

@@ -161,7 +161,7 @@ def tune(
     if not models:
         models = [presets.preset("llama3-8b")]
     _refuse_what_does_not_apply(family, causal, fp8)
-    devices = [] if dry_run else placement.cuda_gpus()
+    devices = [] if dry_run else placement.cuda_devices()
     interpret = not devices
     if interpret and trials > presets.DRY_RUN_TRIALS:
         if _given("trials"):

@@ -233,3 +233,46 @@ def test_warming_the_compiler_compiles_past_the_cache_and_leaves_the_environment
         written, left = pool.submit(_warm_twice, str(tmp_path)).result()
     assert written[0] != written[1], "compiled again, not read from Triton's cache"
     assert not left, "TRITON_ALWAYS_COMPILE restored"
+
+
+def _ready_without_cuda() -> tuple[bool, bool, str, int, str | None]:
+    import sys
+    import threading
+
+    import torch
+    import triton
+    import triton.backends.nvidia.driver as nvidia
+
+    from tunegen.kernels.compiler import ready_to_fork
+
+    def asked(*args, **kwargs):
+        raise AssertionError("CUDA was asked something")
+
+    class Utils:  # the driver's utility module, which a C compiler builds against libcuda
+        pass
+
+    torch.cuda.is_available = torch.cuda.device_count = torch.cuda._lazy_init = asked
+    sys.modules["triton.runtime.driver"]._create_driver = asked  # Triton's own choice asks CUDA
+    nvidia.CudaUtils = Utils  # the real driver's constructor runs, with this module
+    from triton.runtime.cache import triton_key
+
+    failure = ready_to_fork()
+    hashed = triton_key.cache_info().currsize == 1
+    made = type(triton.runtime.driver.active).__name__
+    return hashed, torch.cuda.is_initialized(), made, threading.active_count(), failure
+
+
+def test_getting_ready_to_fork_hashes_triton_and_makes_its_driver_asking_cuda_nothing():
+    """The host does, once, what every rank and worker forked from it would do before its first
+    kernel, and must leave CUDA untouched and no thread running: a process forked after any CUDA
+    question cannot use it, and one forked beside a thread may inherit a lock held for good."""
+    with (
+        interpreting(False),
+        concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool,
+    ):
+        hashed, initialized, made, threads, failure = pool.submit(_ready_without_cuda).result()
+    assert failure is None
+    assert hashed, "Triton's key computed here, for the forks to inherit"
+    assert not initialized
+    assert made == "CudaDriver", "the NVIDIA driver made directly and made the active one"
+    assert threads == 1, "the hashing thread has ended"

@@ -2,9 +2,11 @@
 for the GPU without making a CUDA context, and must write the very cache entry the timing
 worker's launch on real tensors looks up, else every trial compiles again on the GPU's lane.
 
-Checked here on a stand-in GPU host (an H100's properties, a driver that refuses to make a
-stream): each family's compile task on meta tensors, then in a fresh process the same kernels
-bound to real tensors, which must find every kernel in Triton's cache and compile nothing."""
+Checked here on a stand-in GPU host (an H100's facts given to the process, a CUDA and a Triton
+driver that fail whatever they are asked, but for the driver's launcher class, which records the
+launchers made): each family's compile task on meta tensors, then in
+a fresh process the same kernels bound to real tensors, which must find every kernel in
+Triton's cache and compile nothing."""
 
 from __future__ import annotations
 
@@ -16,11 +18,11 @@ import types
 from pathlib import Path
 
 from tunegen.kernels.families import get
-from tunegen.kernels.gpu import Gpu
+from tunegen.kernels.gpu import DeviceFacts, Gpu
 from tunegen.kernels.problem import Problem
 from tunegen.kernels.render import interpreting
 
-H100 = types.SimpleNamespace(
+H100 = DeviceFacts(
     name="NVIDIA H100 80GB HBM3",
     major=9,
     minor=0,
@@ -55,33 +57,33 @@ KNOBS = {
 PERSISTENT = {"prefill-ws": {"persistent": True, "order": "grouped"}}
 
 
-def _stand_in(cache: str) -> Gpu:
-    """This process as a compile worker on an H100 host sees it: Triton's cache in `cache`,
-    device 0 current, its properties readable, and no stream (a stream would make a context)."""
+def _stand_in(cache: str) -> tuple[Gpu, list]:
+    """This process as a tuning compile worker on an H100 host sees it: Triton's cache in `cache`,
+    told what it compiles for (gpu.set_meta_device), and a CUDA that fails whatever it is asked, as
+    the worker must ask it nothing (not even the current device: that initializes CUDA). Returns
+    the Gpu and the list of the launchers made, as the driver's launcher class records them."""
     os.environ["TRITON_CACHE_DIR"] = cache
     import torch
     import triton
-    from triton.backends.compiler import GPUTarget
 
-    from tunegen.kernels import gpu, launcher
+    from tunegen.kernels import gpu
+
+    def asked(*args, **kwargs):
+        raise AssertionError("CUDA was asked something")
+
+    launchers = []
 
     class Driver:
-        def get_current_device(self) -> int:
-            return 0
+        get_current_device = get_current_stream = get_current_target = get_device_capability = asked
 
-        def get_current_stream(self, device: int) -> int:
-            raise AssertionError("a stream was asked for: that makes a CUDA context")
-
-        def get_current_target(self) -> GPUTarget:
-            return GPUTarget("cuda", 90, 32)
+        def launcher_cls(self, src, metadata):
+            launchers.append(src.fn.__name__)
 
     triton.runtime.driver.set_active(Driver())
-    torch.cuda.current_device = lambda: 0
-    torch.cuda.get_device_properties = lambda index: H100
-    stand_in = Gpu(H100.name, (9, 0), 132, 232448, triton.__version__, torch.__version__, "cuda")
-    gpu.cuda_gpu = lambda index: stand_in
-    launcher.device_properties = lambda device: H100
-    return stand_in
+    for name in ("current_device", "get_device_properties", "get_device_capability", "_lazy_init"):
+        setattr(torch.cuda, name, asked)
+    gpu.set_meta_device(H100)
+    return H100.gpu(), launchers
 
 
 def _cubins(cache: str) -> int:
@@ -90,12 +92,15 @@ def _cubins(cache: str) -> int:
 
 def _on_meta(cache: str, payloads: list[dict]) -> list[tuple[str, int]]:
     """Each payload's compile task as a worker runs it: its status and the cubins then cached."""
-    _stand_in(cache)
+    _, launchers = _stand_in(cache)
     from tunegen.tuning.trial import compile_task
 
     out = []
     for payload in payloads:
+        made = len(launchers)
         result = compile_task(payload)
+        # Each compiled kernel's launcher is made where it compiles, not on its first launch.
+        assert len(launchers) > made, payload
         out.append((result["status"], _cubins(cache)))
     import sys
 
@@ -117,11 +122,14 @@ def _on_meta(cache: str, payloads: list[dict]) -> list[tuple[str, int]]:
 def _on_real_tensors(cache: str, payloads: list[dict]) -> list[int]:
     """Each payload's kernels bound to real (CPU) tensors of the same shapes, compiled as a
     launch would specialize them, in a fresh process: the cubins cached after each."""
-    gpu = _stand_in(cache)
+    gpu, _ = _stand_in(cache)
     import torch
 
     from tunegen.kernels import launcher
     from tunegen.kernels.families import base
+
+    # The timing worker reads its real device's properties: the H100's.
+    launcher.device_properties = lambda device: H100
 
     meta = launcher.bound
 
@@ -148,10 +156,8 @@ def _in_fresh_process(fn, *args):
 
 
 def test_meta_compiles_are_what_real_launches_find(tmp_path):
-    import torch
-    import triton
 
-    gpu = Gpu(H100.name, (9, 0), 132, 232448, triton.__version__, torch.__version__, "cuda")
+    gpu = H100.gpu()
     payloads = []
     for name, problem in PROBLEMS.items():
         family = get(problem.family)
@@ -170,3 +176,15 @@ def test_meta_compiles_are_what_real_launches_find(tmp_path):
     assert _in_fresh_process(_on_real_tensors, cache, payloads) == [counts[-1]] * len(payloads), (
         "real tensors found every kernel the meta ones compiled"
     )
+
+
+def test_the_target_a_meta_compile_takes_is_the_one_triton_computes_for_the_device():
+    """A compile worker takes its target from the facts it was given; the timing worker, from
+    Triton's driver asking CUDA. Were they different, every trial would compile again where it is
+    timed (the test above cannot see it: both its processes are given the facts)."""
+    from triton.backends.nvidia.driver import CudaDriver
+
+    from tunegen.kernels.launcher import _Streamless
+
+    asked = types.SimpleNamespace(get_current_device=lambda: 0, get_device_capability=lambda device: (9, 0))
+    assert _Streamless(object(), H100).get_current_target() == CudaDriver.get_current_target(asked)

@@ -20,10 +20,11 @@ from optuna.trial import TrialState
 
 from helpers import tiny_problems
 from tunegen.cli.main import main
-from tunegen.kernels.gpu import interpreter_gpu
+from tunegen.kernels import gpu
+from tunegen.kernels.gpu import DeviceFacts, interpreter_gpu
 from tunegen.tuning import host, study
 from tunegen.tuning import ranks as placement
-from tunegen.tuning.study import evaluated, study_name
+from tunegen.tuning.study import evaluated, holds_claim, study_name
 from tunegen.tuning.tuner import TuneOptions, Tuner
 from tunegen.tuning_db import Store
 
@@ -42,8 +43,14 @@ def _url(backend, tmp_path, request):
     return request.getfixturevalue("postgres_url")
 
 
-def _trials(url, problem):
-    return optuna.load_study(study_name=study_name(GPU, problem, "tpe"), storage=url).trials
+def _trials(url, problem, *, made=True):
+    """The Problem's trials; with `made` False, none where its study is not made yet."""
+    try:
+        return optuna.load_study(study_name=study_name(GPU, problem, "tpe"), storage=url).trials
+    except KeyError:
+        if made:
+            raise
+        return []
 
 
 def test_selecting_gpus():
@@ -96,11 +103,12 @@ def test_ranks_share_physical_cores_out_and_the_timing_worker_has_its_own(tmp_pa
 
 
 def test_gpu_models_are_tuned_apart_and_ranks_see_their_own_device(monkeypatch):
-    h100 = dataclasses.replace(GPU, name="NVIDIA H100", backend="cuda", capability=(9, 0))
+    h100 = DeviceFacts("NVIDIA H100", 9, 0, 132, 50 * 2**20, 232448, 49152)
     h200 = dataclasses.replace(h100, name="NVIDIA H200")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,7")
     ranks = placement.cuda_ranks([0, 1, 2], lambda i: h200 if i == 1 else h100)
     assert [(r.index, r.visible) for r in ranks] == [(0, "3"), (1, "5"), (2, "7")]
+    assert [(r.gpu, r.facts) for r in ranks] == [(h100.gpu(), h100), (h200.gpu(), h200), (h100.gpu(), h100)]
     grouped = placement.groups(ranks)
     assert [[r.index for r in members] for members in grouped.values()] == [[0, 2], [1]]
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
@@ -129,16 +137,21 @@ def test_two_stand_ins_divide_the_trials(tmp_path, kill):
         # Stopped while its trials are read: a held trial cannot be concluded between the look
         # and the kill (pruned just after its claim was written, or evaluated).
         os.kill(victim.pid, signal.SIGSTOP)
-        held = [
-            t.number
-            for t in _trials(url, PROBLEMS[j])
-            if t.state == TrialState.RUNNING
-            and "variant" in t.user_attrs
-            and f":{victim.pid}:" in t.user_attrs["owner"]
+        # Of either Problem: a rank holds the next one's first trials only while it finishes one.
+        mine = [
+            (
+                k,
+                [
+                    t.number
+                    for t in _trials(url, problem, made=False)
+                    if holds_claim(t) and f":{victim.pid}:" in t.user_attrs["owner"]
+                ],
+            )
+            for k, problem in enumerate(PROBLEMS)
         ]
+        held = [(k, numbers) for k, numbers in mine if numbers]
         os.kill(victim.pid, signal.SIGKILL if held else signal.SIGCONT)
-        if held:
-            killed.append((j, held))
+        killed.extend(held)
 
     outcomes = host.tune_on(PROBLEMS, ranks, options, progress, lambda gpu, j, o: finished.append(j))
     assert sorted(finished) == [0, 1], "each Problem finished once"
@@ -157,10 +170,10 @@ def test_two_stand_ins_divide_the_trials(tmp_path, kill):
         assert len(store.winners()) == 2
     if kill:
         assert killed, "a rank was killed while it held a trial"
-        j, held = killed[0]
-        trials = {t.number: t for t in _trials(url, PROBLEMS[j])}
-        for number in held:
-            assert trials[number].state == TrialState.FAIL and not evaluated(trials[number])
+        for j, held in killed:
+            trials = {t.number: t for t in _trials(url, PROBLEMS[j])}
+            for number in held:
+                assert trials[number].state == TrialState.FAIL and not evaluated(trials[number])
 
 
 class _Pipe:
@@ -304,3 +317,16 @@ def test_preparing_a_database_another_program_is_creating_tries_again(tmp_path, 
     assert len(tries) == 2
     monkeypatch.setattr(optuna.storages, "RDBStorage", real)
     optuna.create_study(study_name="after", storage=url)
+
+
+def test_a_ranks_compile_workers_are_told_its_device_before_the_compiler_warms(monkeypatch):
+    """The zygote's warm-up gives the workers it forks next the rank's device (else each would
+    ask CUDA for it: 0.9 s of its first compile), before the compile that may be cut short."""
+    facts = DeviceFacts("NVIDIA H100", 9, 0, 132, 50 * 2**20, 232448, 49152)
+    seen = []
+    monkeypatch.setattr(gpu, "_meta_device", None)
+    monkeypatch.setattr(
+        host, "warm_compiler", lambda capability: seen.append((capability, gpu.meta_device_given()))
+    )
+    host._warm_workers(placement.Rank(0, "0", facts.gpu(), facts))
+    assert seen == [((9, 0), facts)]

@@ -204,7 +204,7 @@ def test_workers_are_spawned_once_the_zygote_is_gone():
 
 @pytest.mark.skipif(HAS_CUDA, reason="the test process has asked CUDA already (conftest)")
 def test_the_hosts_devices_are_read_without_cuda_here():
-    assert ranks.cuda_gpus() == []
+    assert ranks.cuda_devices() == []
     assert usable(), "asking left this process able to fork workers that use CUDA"
 
 

@@ -14,6 +14,7 @@ import multiprocessing
 import re
 import subprocess
 import tempfile
+import threading
 from collections.abc import Sequence
 
 from tunegen.kernels.environ import environment
@@ -93,6 +94,28 @@ def compile_for(job: CompileJob) -> CompileReport:
     return CompileReport(
         job.capability, int(compiled.metadata.shared), mma=mma, registers=registers, local_bytes=local
     )
+
+
+def ready_to_fork() -> str | None:
+    """Do once here what each process forked from this one would otherwise do before its first
+    kernel (2 x H200 host, 2026-11-26): hash Triton's own files into the key of every cache
+    lookup (0.6 s), and make Triton's CUDA driver, whose utility module a C compiler builds into
+    an empty cache (0.3 s). The driver is made directly: Triton's own choice of a driver asks
+    CUDA whether it has devices, after which no forked process could use CUDA. Where the driver
+    cannot be made (no CUDA library), the forks make theirs as before; returns why."""
+    import triton.backends
+    from triton.runtime.cache import triton_key
+
+    # Mostly file reads and hashing, which release the GIL, beside the C compiler's build.
+    hashing = threading.Thread(target=triton_key, name="tunegen-triton-key")
+    hashing.start()
+    try:
+        triton.runtime.driver.set_active(triton.backends.backends["nvidia"].driver())
+    except Exception as exc:  # the forks make theirs, asking CUDA: slower, never wrong
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        hashing.join()
+    return None
 
 
 def warm_compiler(capability: tuple[int, int]) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import triton
 
+from tunegen.kernels.gpu import DeviceFacts, meta_device_given, meta_facts
 from tunegen.kernels.releases import COMPILE_OPTIONS
 
 
@@ -191,8 +192,7 @@ def resident_programs(kernel: Any, args: tuple, *, device: torch.device, **optio
 
 
 def _index(device: torch.device) -> int:
-    """A CUDA device's index, the current one for a bare "cuda" (and for "meta": see
-    `compiled_for_meta`)."""
+    """A CUDA device's index, the current one for a bare "cuda" and for "meta"."""
     if device.type == "meta" or device.index is None:
         return torch.cuda.current_device()
     return device.index
@@ -200,16 +200,22 @@ def _index(device: torch.device) -> int:
 
 def device_properties(device: torch.device) -> Any:
     """torch's properties of the CUDA device that kernels for tensors on `device` run on (the
-    current one for "meta"). Reading them makes no CUDA context."""
-    return torch.cuda.get_device_properties(_index(device))
+    current one for "meta"); for "meta" in a process given the device it compiles for
+    (gpu.set_meta_device), that device's facts, which hold only what compiling reads. Reading
+    them makes no CUDA context."""
+    facts = meta_device_given() if device.type == "meta" else None
+    return facts or torch.cuda.get_device_properties(_index(device))
 
 
 class _Streamless:
     """Triton's active driver, but for the current stream: a warm-up asks for it before compiling,
-    and making a stream handle would make the process's CUDA context."""
+    and making a stream handle would make the process's CUDA context. In a process told what it
+    compiles for (gpu.set_meta_device), the current device and target too: asking CUDA for them
+    would initialize it."""
 
-    def __init__(self, driver: Any) -> None:
+    def __init__(self, driver: Any, facts: DeviceFacts | None) -> None:
         self._driver = driver
+        self._facts = facts
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._driver, name)
@@ -217,28 +223,42 @@ class _Streamless:
     def get_current_stream(self, device: int | None = None) -> int:
         return 0
 
+    def get_current_device(self) -> int:
+        return 0 if self._facts else self._driver.get_current_device()
+
+    def get_current_target(self) -> Any:
+        if self._facts is None:
+            return self._driver.get_current_target()
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", self._facts.major * 10 + self._facts.minor, 32)
+
 
 def compiled_for_meta(kernel: Any, grid: tuple[int, ...], args: tuple, options: dict[str, Any]) -> Any:
-    """`kernel` compiled (or found in Triton's cache) for `args` on meta tensors, for the current
-    CUDA device, without touching it: no CUDA context, no binary loaded. A meta tensor's address is
-    0, so it specializes as the 16-byte aligned tensors of a real launch do, and the entry written
-    is the one that launch finds. This is how tuning's compile workers compile (CUDA contexts come
-    two to three a second for a whole host, and a binary loaded there would be loaded again where
-    it is timed). Too much shared memory fails here as the binary's load would."""
+    """`kernel` compiled (or found in Triton's cache) for `args` on meta tensors, for the device
+    given to gpu.set_meta_device (else the current CUDA device), without touching it: no CUDA
+    context, no binary loaded; its launcher is built too. A meta tensor's address is 0, so it
+    specializes as the 16-byte aligned tensors of a real launch do, and the entry written is the
+    one that launch finds. This is how tuning's compile workers compile (CUDA contexts come two
+    to three a second for a whole host, and a binary loaded there would be loaded again where it
+    is timed). Too much shared memory fails here as the binary's load would."""
     from triton.runtime.errors import OutOfResources
 
     drivers = triton.runtime.driver
     active = drivers.active
-    drivers.set_active(_Streamless(active))
+    drivers.set_active(_Streamless(active, meta_device_given()))
     try:
         compiled = kernel.warmup(*args, grid=grid, **options)
+        compiled = compiled.result() if hasattr(compiled, "result") else compiled
+        props = meta_facts()
+        limit = props.shared_memory_per_block_optin or props.shared_memory_per_block
+        if compiled.metadata.shared > limit:
+            raise OutOfResources(compiled.metadata.shared, limit, "shared memory")
+        # Its launcher too, which Triton 3.6 builds per signature with a C compiler (0.3 s) into
+        # the same cache, else on the first launch where it is timed.
+        active.launcher_cls(compiled.src, compiled.metadata)
     finally:
         drivers.set_active(active)
-    compiled = compiled.result() if hasattr(compiled, "result") else compiled
-    props = device_properties(torch.device("meta"))
-    limit = getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block
-    if compiled.metadata.shared > limit:
-        raise OutOfResources(compiled.metadata.shared, limit, "shared memory")
     return compiled
 
 

@@ -130,7 +130,9 @@ class FinalRound:
             with self.timeline.span(TUNER, WAIT_OTHERS, problem_label(problem)):
                 while time.monotonic() < deadline:
                     studies.fail_stale(study, opts.grace_s)
-                    if not any(studies.holds_claim(t) for t in study.get_trials(deepcopy=False)):
+                    # Unclaimed ones too: a process killed between asking for a trial and claiming
+                    # it leaves one running, which fail_stale fails `grace_s` after it began.
+                    if not study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
                         break
                     pause(min(1.0, opts.heartbeat_s))
             if studies.claimed(study) >= opts.trials or not study.get_trials(

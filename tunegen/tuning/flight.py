@@ -32,8 +32,15 @@ GPU_QUEUE = 3
 # so the estimates ask for them all anyway, and four ahead until they were measured left twelve of
 # sixteen workers idle for the first 4 s of a run (2 x H200, 2026-11-26).
 FIRST_AHEAD = 4
-# Weight of the newest measurement in the running compile and timing estimates.
+# Weight of the newest measurement in the running compile and timing estimates, and in the
+# running deviation of a compile's time from its estimate.
 SMOOTHING = 0.3
+DEVIATION_SMOOTHING = 0.25
+# Deviations of a compile's time past its estimate that the trials kept ahead cover: compiles
+# vary (on a 2 x H200 host whose compiles took 1.1 s at the median, trials waited 2-5 s per GPU
+# of a 50-s run for a compile that had just ended, 2026-11-26), and the GPU waits whenever the
+# one it needs next is slower than the estimate.
+DEVIATIONS = 2
 # A compile running this many times longer than the estimate is a straggler: it is not counted
 # as coming for the GPU (one in ten took 2.5-4.5 s on the 2 x H200 host, against a median of 1 s).
 STRAGGLER = 2.0
@@ -74,6 +81,7 @@ class Flight:
         self.ready: dict[Problem, deque[Pending]] = {}
         self.timing: dict[concurrent.futures.Future, Pending] = {}
         self.compile_s: float | None = None
+        self.compile_deviation = 0.0
         self.gpu_s: float | None = None
 
     def ahead(self, problem: Problem | None = None) -> int:
@@ -101,12 +109,13 @@ class Flight:
         return coming + self._compiled(problem) < self.depth()
 
     def depth(self) -> int:
-        """How many trials to keep ahead of the GPU: a compile's time over a timing's, plus two
-        (one to take, one for a slow compile), within the compile workers there are; before
-        both are measured, `first_ahead`."""
+        """How many trials to keep ahead of the GPU: a slow compile's time (the estimate plus
+        `DEVIATIONS` deviations) over a timing's, plus two (one to take, one for a straggler),
+        within the compile workers there are; before both are measured, `first_ahead`."""
         if self.compile_s is None or self.gpu_s is None:
             return min(self.workers, self.first_ahead)
-        return min(self.workers, math.ceil(self.compile_s / max(self.gpu_s, 1e-3)) + 2)
+        slow = self.compile_s + DEVIATIONS * self.compile_deviation
+        return min(self.workers, math.ceil(slow / max(self.gpu_s, 1e-3)) + 2)
 
     def holds(self, problem: Problem) -> bool:
         """Whether anything of `problem` is compiling, waiting for the GPU or on it."""
@@ -116,6 +125,9 @@ class Flight:
         return [*self.compiling, *self.timing]
 
     def compiled(self, seconds: float) -> None:
+        if self.compile_s is not None:
+            off = abs(seconds - self.compile_s)
+            self.compile_deviation += DEVIATION_SMOOTHING * (off - self.compile_deviation)
         self.compile_s = _smoothed(self.compile_s, seconds)
 
     def timed(self, seconds: float) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 from tunegen.kernels.compiler import warm_compiler
 from tunegen.kernels.database import database_url, open_store
 from tunegen.kernels.environ import environment
-from tunegen.kernels.gpu import Gpu
+from tunegen.kernels.gpu import Gpu, set_meta_device
 from tunegen.kernels.problem import Problem
 from tunegen.tuning import study as studies
 from tunegen.tuning.final import Outcome
@@ -74,7 +74,7 @@ def _rank_main(
         if usable():
             with contextlib.suppress(OSError):  # no process to spare: its workers are spawned
                 cuda = rank.gpu.backend == "cuda"
-                zygote = Zygote(functools.partial(warm_compiler, rank.gpu.capability) if cuda else None)
+                zygote = Zygote(functools.partial(_warm_workers, rank) if cuda else None)
         position, ranks = share
         peers = {p for j, p in enumerate(problems) if j % ranks == position}
         with raising(), Tuner(rank.gpu, options, times_peers=peers.__contains__, zygote=zygote) as tuner:
@@ -109,6 +109,14 @@ def _rank_main(
     finally:
         if zygote is not None:
             zygote.close()
+
+
+def _warm_workers(rank: Rank) -> None:
+    """Run in a rank's zygote once it has forked the timing worker: the compile workers it forks
+    next start with the compiler loaded, and compile for the rank's device asking CUDA nothing."""
+    if rank.facts is not None:
+        set_meta_device(rank.facts)
+    warm_compiler(rank.gpu.capability)
 
 
 @dataclasses.dataclass

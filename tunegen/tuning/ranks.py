@@ -7,13 +7,16 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
+import threading
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tunegen.kernels.gpu import Gpu, cuda_gpu
+from tunegen.kernels.compiler import ready_to_fork
+from tunegen.kernels.gpu import DeviceFacts, Gpu, device_facts, driver_version, interpreting
 from tunegen.tuning import zygote
 
 
@@ -21,11 +24,13 @@ from tunegen.tuning import zygote
 class Rank:
     """One GPU of the run: its index as this process numbers CUDA devices (or the number of an
     interpreter stand-in), what CUDA_VISIBLE_DEVICES the rank gets (None: this process's own
-    view, for a rank run in this process), and its Gpu identity."""
+    view, for a rank run in this process), its Gpu identity, and for a CUDA device its facts,
+    which its compile workers compile for without asking CUDA (gpu.set_meta_device)."""
 
     index: int
     visible: str | None
     gpu: Gpu
+    facts: DeviceFacts | None = None
 
     @property
     def name(self) -> str:
@@ -33,11 +38,12 @@ class Rank:
         return f"{'stand-in' if self.gpu.backend == 'interpreter' else 'GPU'} {self.index}"
 
 
-def cuda_gpus() -> list[Gpu]:
+def cuda_devices() -> list[DeviceFacts]:
     """This host's CUDA devices, as CUDA_VISIBLE_DEVICES shows them (none without CUDA). Asked in
     a forked child where this process has not touched CUDA yet: once a process asks CUDA anything,
     even whether it is there, the processes it forks can no longer use it, and the ranks and their
-    workers are forked from this one (zygote.py). Asked here where that was too late."""
+    workers are forked from this one (zygote.py). Asked here where that was too late. While the
+    child asks (0.6 s), this process gets ready to fork the ranks (`_get_ready`)."""
     if not zygote.usable():
         return _devices()
     context = multiprocessing.get_context("fork")
@@ -46,6 +52,7 @@ def cuda_gpus() -> list[Gpu]:
     child.start()
     theirs.close()
     try:
+        unready = _get_ready()
         found = ours.recv()
     except EOFError:
         child.join()
@@ -53,11 +60,32 @@ def cuda_gpus() -> list[Gpu]:
     finally:
         ours.close()
         child.join()
+    if found and unready:
+        warnings.warn(
+            f"tunegen tune: Triton's CUDA driver could not be made ahead of the workers ({unready}); "
+            "each makes its own, which slows its first compile",
+            stacklevel=2,
+        )
     return _devices() if found is None else found
 
 
-def _devices() -> list[Gpu]:
-    return [cuda_gpu(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+def _get_ready() -> str | None:
+    """What every rank and worker forked from this process would otherwise do for itself before
+    its first trial: Triton's share (compiler.ready_to_fork, whose failure it returns) and the
+    NVIDIA driver's version, which each rank records (nvidia-smi, run meanwhile). Only where a
+    CUDA build may compile."""
+    if torch.version.cuda is None or interpreting():
+        return None
+    smi = threading.Thread(target=driver_version, name="tunegen-driver-version")
+    smi.start()
+    try:
+        return ready_to_fork()
+    finally:
+        smi.join()
+
+
+def _devices() -> list[DeviceFacts]:
+    return [device_facts(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
 
 
 def _send_devices(conn: Any) -> None:
@@ -88,12 +116,12 @@ def select(spec: str, count: int) -> list[int]:
     return indices
 
 
-def cuda_ranks(indices: list[int], gpus: Callable[[int], Gpu]) -> list[Rank]:
+def cuda_ranks(indices: list[int], devices: Callable[[int], DeviceFacts]) -> list[Rank]:
     """Ranks for CUDA devices `indices`, each shown only its own device (through the entry of
     this process's CUDA_VISIBLE_DEVICES that the index stands for, if that is set)."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     entries = [e.strip() for e in visible.split(",")] if visible else None
-    return [Rank(i, entries[i] if entries else str(i), gpus(i)) for i in indices]
+    return [Rank(i, entries[i] if entries else str(i), devices(i).gpu(), devices(i)) for i in indices]
 
 
 def groups(ranks: list[Rank]) -> dict[Gpu, list[Rank]]:

@@ -16,7 +16,7 @@ import torch
 
 from tunegen.kernels import peers
 from tunegen.kernels.families import base, get
-from tunegen.kernels.gpu import gpu_of
+from tunegen.kernels.gpu import gpu_of, meta_facts
 from tunegen.kernels.problem import Problem
 from tunegen.kernels.reference import tolerance
 
@@ -79,8 +79,9 @@ def compile_task(payload: dict[str, Any]) -> dict[str, Any]:
     start = time.monotonic()
     problem = Problem(**payload["problem"])
     family = get(problem.family)
-    gpu = gpu_of(_device(payload))
-    device = torch.device("meta") if payload["backend"] == "cuda" else _device(payload)
+    cuda = payload["backend"] == "cuda"
+    gpu = meta_facts().gpu() if cuda else gpu_of(_device(payload))
+    device = torch.device("meta") if cuda else _device(payload)
     kernel = base.build(family, family.variant_type.from_json(payload["variant"]), problem, gpu)
     binding = dataclasses.replace(kernel, launch=kernel.bind)  # the case's launch binds, runs nothing
     family.case(problem, binding, device, payload["seed"]).launch()

@@ -243,13 +243,16 @@ class Tuner(FinalRound):
         if then is not None:
             ahead = self._asks.get(then) or self._asking(then)
             self._asks[then] = ahead
-            while self.flight.short() and self._ask(then, ahead):
-                self._collect(problem, progress)
+            # Only while `problem` holds trials: then `then`'s compiled ones take the GPU between
+            # the asks, and once it holds none, `search(then)` asks on (the asks here, 50-90 ms
+            # each, held the GPU idle 1-2 s at each Problem's end, 2 x H200, 2026-11-26).
+            while self.flight.short() and self.flight.holds(problem) and self._ask(then, ahead):
+                self._collect(problem, progress, then)
         return False
 
-    def _collect(self, problem: Problem, progress) -> None:
+    def _collect(self, problem: Problem, progress, then: Problem | None = None) -> None:
         self._take({f for f in self.flight.futures() if f.done()}, problem, progress)
-        self._dispatch(problem)
+        self._dispatch(problem, then)
 
     def _ask(self, problem: Problem, asks: Asks) -> bool:
         """One trial from the sampler, screened (pruned with the reason) or sent to compile; False

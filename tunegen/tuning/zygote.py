@@ -43,7 +43,7 @@ def usable() -> bool:
     """Whether this process can fork workers that use CUDA, as far as it can tell: Linux, CUDA not
     initialized here, and this process not forked from one that had asked CUDA anything. (A
     question asked here, as `torch.cuda.is_available()`, shows only in the processes forked after
-    it: ranks.cuda_gpus asks its child.)"""
+    it: ranks.cuda_devices asks its child.)"""
     return (
         sys.platform.startswith("linux")
         and hasattr(socket, "send_fds")
