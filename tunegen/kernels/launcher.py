@@ -254,7 +254,7 @@ def compiled_for_meta(kernel: Any, grid: tuple[int, ...], args: tuple, options: 
         limit = props.shared_memory_per_block_optin or props.shared_memory_per_block
         if compiled.metadata.shared > limit:
             raise OutOfResources(compiled.metadata.shared, limit, "shared memory")
-        # Its launcher too, which Triton 3.6 builds per signature with a C compiler (0.3 s) into
+        # Its launcher too, which Triton 3.6 builds per signature with a C compiler (0.18 s) into
         # the same cache, else on the first launch where it is timed.
         active.launcher_cls(compiled.src, compiled.metadata)
     finally:
