@@ -184,6 +184,21 @@ def check_in_workers(check, jobs: list, workers: int, hang_s: float) -> list[str
     return checked
 
 
+def checked_launch(kernel, rec: dict, shape: Shape, tensors: tuple, timed: list) -> None:
+    """Launch `kernel` once into a poisoned output and check sampled rows against float64: its
+    error into `rec`, and (rec, launch) onto `timed` if right, else why not into rec["note"]."""
+    q, k, v, out, gen = tensors
+    scale = shape.head_dim**-0.5
+    out.fill_(float("nan"))
+    launch = functools.partial(kernel.launch, PrefillArgs(q, k, v, out, None, scale))
+    launch()
+    rec["err"] = sampled_error(out, q, k, v, causal=shape.causal, scale=scale, generator=gen)
+    if rec["err"] < TOLERANCE["bfloat16"]:
+        timed.append((rec, launch))
+    else:
+        rec["note"] = f"wrong: relative error {rec['err']:.2e}"
+
+
 def _label(v: dict) -> str:
     if v["schedule"] == "ws":
         pp = "pp" if v["pingpong"] else ""
@@ -264,7 +279,7 @@ def main() -> None:
             problem = shape.problem("bfloat16")
             flops = problem.flops()
             q, k, v, gen = _inputs(shape)
-            scale, out = shape.head_dim**-0.5, torch.empty_like(q)
+            out = torch.empty_like(q)
             timed = _check_peers(shape, q, k, v, gen, results)
             for (s0, vj), note in zip(jobs, checked, strict=True):
                 if s0 != shape0 or note:
@@ -280,14 +295,7 @@ def main() -> None:
                 faulthandler.dump_traceback_later(args.hang_s, exit=True)
                 try:
                     kernel = base.build(prefill.FAMILY, variant, problem, gpu)
-                    out.fill_(float("nan"))
-                    launch = functools.partial(kernel.launch, PrefillArgs(q, k, v, out, None, scale))
-                    launch()
-                    rec["err"] = sampled_error(out, q, k, v, causal=shape.causal, scale=scale, generator=gen)
-                    if rec["err"] < TOLERANCE["bfloat16"]:
-                        timed.append((rec, launch))
-                    else:
-                        rec["note"] = f"wrong: relative error {rec['err']:.2e}"
+                    checked_launch(kernel, rec, shape, (q, k, v, out, gen), timed)
                 except Exception as exc:
                     rec["note"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                 faulthandler.cancel_dump_traceback_later()

@@ -81,8 +81,12 @@ def test_hopper_schedule_knobs_show_on_its_variants_only():
     assert {"num_warps", "load"} <= set(shown)
     ws = prefill.PrefillVariant(schedule="ws", block_m=64, block_n=128, consumers=2, overlap=True)
     shown = applicable(prefill.FAMILY, ws, BF16, HOPPER)
-    assert set(shown) >= WS_KNOBS - {"ctas_per_sm"} and not set(prefill.FA2_KNOBS) & set(shown)
+    persistent_only = set(prefill.PERSISTENT_KNOBS)
+    assert set(shown) >= WS_KNOBS - {"ctas_per_sm", *persistent_only}
+    assert not set(prefill.FA2_KNOBS) & set(shown)
     assert "ctas_per_sm" not in shown, "two programs per SM only with one consumer each"
+    assert not persistent_only & set(shown), "the dynamic scheduler and query slots serve persistent programs"
+    assert persistent_only <= set(applicable(prefill.FAMILY, ws.replace(persistent=True), BF16, HOPPER))
     one = applicable(prefill.FAMILY, ws.replace(consumers=1), BF16, HOPPER)
     assert "pingpong" not in one and "ctas_per_sm" in one, "pingpong needs 2 consumers"
     assert "schedule" not in applicable(prefill.FAMILY, fa2, BF16, interpreter_gpu()), "no 'ws' there"

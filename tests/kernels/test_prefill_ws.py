@@ -39,6 +39,9 @@ PROBLEM = Problem("prefill", "bfloat16", 128, True, 16, 4, 2, 4096, 4096)
         ({"load": "desc"}, "load: a knob of schedule 'fa2'"),
         ({"schedule": "fa3"}, "schedule: expected one of"),
         ({"ctas_per_sm": 2}, "ctas_per_sm: two programs per SM leave registers for one consumer"),
+        ({"dynamic": True}, "dynamic: a scheduler of persistent programs"),
+        ({"q_stages": 2}, "q_stages: a second query slot serves a program's next tile"),
+        ({"persistent": True, "q_stages": 3}, "q_stages: expected 1 or 2"),
     ],
 )
 def test_ws_variant_rejects_knobs_that_do_not_apply(changes, message):
@@ -147,6 +150,8 @@ def test_ws_constraint_matches_what_sm90_compiles_without_spilling(family_name, 
 
 # --- on the GPU -----------------------------------------------------------------------------
 
+PAIR = dataclasses.replace(WS, consumers=1, pingpong=False, block_n=64, ctas_per_sm=2)
+
 KNOBS = [
     WS,
     dataclasses.replace(WS, pingpong=False),
@@ -158,6 +163,10 @@ KNOBS = [
     dataclasses.replace(WS, consumers=3, block_n=64, producer_regs=40),
     dataclasses.replace(WS, consumers=3, overlap=False, order="grouped"),
     dataclasses.replace(WS, consumers=1, pingpong=False, block_n=64, ctas_per_sm=2, persistent=True),
+    dataclasses.replace(WS, persistent=True, dynamic=True, order="head_inner", reverse_m=True),
+    dataclasses.replace(WS, persistent=True, q_stages=2),
+    dataclasses.replace(PAIR, persistent=True, dynamic=True),
+    dataclasses.replace(PAIR, persistent=True, dynamic=True, q_stages=2, order="grouped", reverse_m=True),
 ]
 
 
@@ -217,7 +226,8 @@ def test_ws_features_against_float64(batch, hq, hkv, nq, nk, dtype, lse):
 @HOPPER
 def test_ws_strided_views_and_persistent_waves():
     """(B, N, H, D) storage seen as (B, H, N, D), K and V interleaved in one tensor, output in q's
-    layout; a persistent grid with several tiles per SM."""
+    layout; a persistent grid with several tiles per SM, walked in a fixed stride or taken from
+    the dynamic scheduler's counter, with one query slot per consumer or two."""
     gen = torch.Generator().manual_seed(11)
     q = randn(2, 777, 8, 128, dtype=torch.bfloat16, device="cuda", gen=gen).transpose(1, 2)
     kv = randn(2, 777, 2, 2, 128, dtype=torch.bfloat16, device="cuda", gen=gen)
@@ -229,6 +239,11 @@ def test_ws_strided_views_and_persistent_waves():
     _check(dataclasses.replace(WS, persistent=True, consumers=3, block_n=64), q, k, v, causal=True)
     grouped = dataclasses.replace(WS, persistent=True, order="grouped", reverse_m=True)
     _check(grouped, q, k, v, causal=True)  # groups of 96 heads (50 MB L2) over 256: a partial last group
+    three = dataclasses.replace(WS, persistent=True, consumers=3, block_n=64, order="head_inner", q_stages=2)
+    for dynamic in (grouped, three):
+        dynamic = dataclasses.replace(dynamic, dynamic=True)
+        for _ in range(3):  # each launch takes its tiles from a counter of its own
+            _check(dynamic, q, k, v, causal=True)
 
 
 @pytest.mark.gpu
@@ -289,6 +304,7 @@ FP8_KNOBS = [
     dataclasses.replace(WS, block_n=64, num_stages=4, persistent=True),
     dataclasses.replace(WS, block_n=64, consumers=1, pingpong=False, ctas_per_sm=2, order="grouped"),
     dataclasses.replace(WS, consumers=3, overlap=False, persistent=True, order="head_inner"),
+    dataclasses.replace(WS, persistent=True, dynamic=True, order="grouped", reverse_m=True, q_stages=2),
 ]
 
 

@@ -8,7 +8,14 @@ import dataclasses
 from typing import Any, ClassVar
 
 from tunegen.kernels.families.operands import block_d, check_descriptors, dot_precision, load_paths
-from tunegen.kernels.families.prefill_ws import REGISTER_FILE, check_ws, runs_ws, ws_constraint
+from tunegen.kernels.families.prefill_ws import (
+    PERSISTENT_KNOBS,
+    REGISTER_FILE,
+    WS_KNOBS,
+    check_ws,
+    runs_ws,
+    ws_constraint,
+)
 from tunegen.kernels.fp8 import SCALE_BLOCK
 from tunegen.kernels.gpu import Gpu
 from tunegen.kernels.problem import Problem
@@ -18,7 +25,6 @@ LOADS = ("ptr", "desc")
 ORDERS = ("m_inner", "head_inner", "grouped")
 SCHEDULES = ("fa2", "ws")
 FA2_KNOBS = ("num_warps", "causal_split", "load", "p_fp8", "v_trans")
-WS_KNOBS = ("consumers", "pingpong", "overlap", "persistent", "producer_regs", "ctas_per_sm")
 
 
 def _pow2(n: int) -> bool:
@@ -45,10 +51,14 @@ class PrefillVariant(Variant):
     block_n; num_stages, the depth of the K/V ring; consumers, warpgroups per program (1 to 3,
     each its own block_m rows); pingpong, consumers take turns issuing their products; overlap,
     each consumer's softmax runs while its previous product finishes (a second P tile of
-    registers); persistent, one program per SM walking the tiles; producer_regs, the TMA producer's
+    registers); persistent, one program per SM walking the tiles; dynamic, persistent programs take
+    each next tile from a counter in global memory (in the program order, so that with a causal
+    mask and reverse_m the longest tiles go first and the short ones fill in), not every
+    num_programs-th; q_stages, query slots per consumer of a persistent program (2: the next
+    tile's query rows load while this tile's products run); producer_regs, the TMA producer's
     registers per thread (the consumers share the rest); ctas_per_sm, programs sharing an SM (2:
-    one consumer each, registers capped at launch); order and reverse_m. num_warps is 4
-    (one warpgroup). Knobs that do not apply to a schedule keep their defaults, so that two
+    one consumer each, registers capped at launch); order and reverse_m. num_warps is 4 (one
+    warpgroup). Knobs that do not apply to a schedule keep their defaults, so that two
     different Variants are always two different kernels.
     """
 
@@ -71,6 +81,8 @@ class PrefillVariant(Variant):
     persistent: bool = False
     producer_regs: int = 24
     ctas_per_sm: int = 1
+    dynamic: bool = False
+    q_stages: int = 1
 
     @property
     def consumer_regs(self) -> int:
@@ -130,6 +142,14 @@ class PrefillVariant(Variant):
             raise ValueError(f"ctas_per_sm: expected 1 or 2, got {self.ctas_per_sm}")
         if self.ctas_per_sm == 2 and self.consumers != 1:
             raise ValueError("ctas_per_sm: two programs per SM leave registers for one consumer each")
+        if self.dynamic and not self.persistent:
+            raise ValueError("dynamic: a scheduler of persistent programs, so it needs persistent=True")
+        if self.q_stages not in (1, 2):
+            raise ValueError(f"q_stages: expected 1 or 2 query slots per consumer, got {self.q_stages}")
+        if self.q_stages == 2 and not self.persistent:
+            raise ValueError(
+                "q_stages: a second query slot serves a program's next tile, so it needs persistent=True"
+            )
         for name in FA2_KNOBS:
             if getattr(self, name) != PrefillVariant.__dataclass_fields__[name].default:
                 raise ValueError(f"{name}: a knob of schedule 'fa2'; schedule 'ws' keeps its default")
@@ -174,11 +194,13 @@ def _ws_default(problem: Problem, gpu: Gpu) -> PrefillVariant | None:
 
 def _ws_measured(problem: Problem, gpu: Gpu) -> PrefillVariant | None:
     """The Hopper schedule's measured best per head dim, mask and length on an H100 with Triton
-    3.6 (bf16: benchmarks/results/prefill_ws_h100.md; FP8: fp8_h100.md), or None where it does not
-    run or FlashAttention-2's loop measured faster: head dim 64, causal, up to 2048 tokens (by
-    2-3%), and Problems of less than one wave of 128-row tiles, where the schedule's machinery buys
-    nothing and its launch, which encodes four TMA descriptors, costs twice FA2's
-    (benchmarks/results/launch_h100.md)."""
+    3.6 (bf16: benchmarks/results/issue31_h100.md, over prefill_ws_h100.md; FP8: fp8_h100.md), or
+    None where it does not run or launches less than one wave of 128-row tiles, where the
+    schedule's machinery buys nothing and its launch, which encodes four TMA descriptors, costs
+    twice FA2's (benchmarks/results/launch_h100.md). Persistent programs take their tiles from
+    the dynamic scheduler with two query slots per consumer wherever that measured best: all
+    but causal head dim 128 up to 1024 tokens, where two non-persistent one-consumer programs
+    per SM lead."""
     if not runs_ws(problem, gpu):
         return None
     if problem.batch * problem.num_heads_q * -(-problem.seqlen_q // 128) < gpu.sm_count:
@@ -190,18 +212,21 @@ def _ws_measured(problem: Problem, gpu: Gpu) -> PrefillVariant | None:
         if problem.causal:
             return two.replace(overlap=False, order="grouped", reverse_m=True)
         return two.replace(num_stages=3, persistent=True)
+    dynamic = {"persistent": True, "dynamic": True, "q_stages": 2}
+    if problem.causal:
+        dynamic.update(order="grouped", reverse_m=True)  # heaviest tiles first, per L2-sized group
     if problem.head_dim == 128:
         if not problem.causal:
-            return two.replace(persistent=True)
-        return pair if n <= 1024 else two.replace(pingpong=True)
-    three = two.replace(consumers=3, pingpong=True, overlap=False)
+            return two.replace(**dynamic)
+        return pair if n <= 1024 else two.replace(pingpong=True, **dynamic)
+    three = two.replace(consumers=3, pingpong=True, overlap=False, **dynamic)
     if not problem.causal:
         if n <= 512:
-            return pair.replace(block_m=128, num_stages=3, persistent=True)
-        return two.replace(pingpong=True, persistent=True) if n <= 1024 else three.replace(persistent=True)
-    if n <= 2048:
-        return None
-    return pair.replace(block_m=128) if n <= 4096 else three
+            return pair.replace(block_m=128, num_stages=3, **dynamic)
+        if n <= 1024:
+            return two.replace(pingpong=True, **dynamic)
+        return three if n < 16384 else three.replace(q_stages=1)
+    return pair.replace(block_m=128, **dynamic) if n <= 4096 else three
 
 
 def fa2_default(problem: Problem, gpu: Gpu) -> PrefillVariant:
@@ -250,6 +275,7 @@ class PrefillFamily:
         # two programs per SM leave registers for one consumer each: asked only then (not
         # asked and refused, which cost a sixth of the tuner's asks)
         "ctas_per_sm": ("consumers", (1,)),
+        **{k: ("persistent", (True,)) for k in PERSISTENT_KNOBS},
     }
 
     def features(self, problem: Problem, gpu: Gpu) -> dict[str, Any]:
@@ -315,6 +341,8 @@ class PrefillFamily:
                 persistent=[False, True],
                 producer_regs=[24, 40],
                 ctas_per_sm=[1, 2],
+                dynamic=[False, True],
+                q_stages=[1, 2],
             )
         return space
 

@@ -10,6 +10,17 @@ from tunegen.kernels.problem import Problem
 from tunegen.kernels.variant import Variant
 
 WS_HEAD_DIMS = (64, 128)
+# Knobs of persistent programs: how they take tiles, and query slots for the next tile.
+PERSISTENT_KNOBS = ("dynamic", "q_stages")
+WS_KNOBS = (
+    "consumers",
+    "pingpong",
+    "overlap",
+    "persistent",
+    "producer_regs",
+    "ctas_per_sm",
+    *PERSISTENT_KNOBS,
+)
 REGISTER_FILE = 65536  # 32-bit registers per SM on every GPU tunegen targets
 
 
@@ -60,14 +71,15 @@ def ws_tile_registers(variant: Variant, head_dim: int) -> int:
 
 
 def ws_constraint(variant: Variant, problem: Problem, gpu: Gpu) -> str | None:
-    """Schedule "ws" within the GPU's shared memory (every consumer's query and output tiles and
-    the K/V ring) and each consumer's registers: its tiles (`ws_tile_registers`) plus the spare
-    registers the release needs for the rest (`Release.ws_spare_registers`, calibrated on sm_90
-    compiles of each checked release by benchmarks/ws_registers.py: within the bound, ptxas spills
-    at most 48 bytes per thread)."""
+    """Schedule "ws" within the GPU's shared memory (every consumer's `q_stages` query tiles and
+    output tile, and the K/V ring) and each consumer's registers: its tiles (`ws_tile_registers`)
+    plus the spare registers the release needs for the rest (`Release.ws_spare_registers`,
+    calibrated on sm_90 compiles of each checked release by benchmarks/ws_registers.py: within the
+    bound, ptxas spills at most 48 bytes per thread)."""
     d = problem.head_dim
     size = 1 if problem.fp8 else 2  # bytes per element of Q, K and V; the output is 16-bit
-    tiles = variant.consumers * variant.block_m * (size + 2) + 2 * variant.num_stages * variant.block_n * size
+    tiles = variant.consumers * variant.block_m * (variant.q_stages * size + 2)
+    tiles += 2 * variant.num_stages * variant.block_n * size
     smem = tiles * d + 1024
     # An SM holds one block's maximum plus 1 KB that each resident block reserves.
     limit = (gpu.smem_per_block + 1024) // variant.ctas_per_sm - 1024
