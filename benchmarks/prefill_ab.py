@@ -53,6 +53,9 @@ def candidates(problem, gpu) -> dict[str, prefill.PrefillVariant]:
     if problem.head_dim == 64:
         tiles["three"] = two.replace(consumers=3, overlap=False)
         tiles["pair128"] = tiles["pair"].replace(block_m=128)
+    if problem.causal and problem.seqlen_q <= 2048:  # short causal tiles: fewer keys a step, or more
+        tiles["two bn64"] = two.replace(block_n=64)
+        tiles["pair bn128"] = tiles["pair"].replace(block_n=128)
     if default.schedule == "ws":
         tiles = {"default": default, **tiles}
     order, rev = ("grouped", True) if problem.causal else ("m_inner", False)
@@ -74,15 +77,15 @@ def main() -> None:
     ap.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
     ap.add_argument("--head-dims", default="64,128")
     ap.add_argument("--causal", default="both", choices=["both", "true", "false"])
+    ap.add_argument("--kv-heads", type=int, default=None, help="KV heads (default: as many as query heads)")
     ap.add_argument("--old-templates", help="a folder of templates to render the defaults from too")
     ap.add_argument("--workers", type=int, default=14)
     ap.add_argument("--hang-s", type=float, default=120.0)
     ap.add_argument("-o", "--output")
     args = ap.parse_args()
     causal = {"both": (False, True), "true": (True,), "false": (False,)}[args.causal]
-    shapes = prefill_suite(
-        [int(n) for n in args.seqlens.split(",")], [int(d) for d in args.head_dims.split(",")], causal
-    )
+    seqlens, dims = [int(n) for n in args.seqlens.split(",")], [int(d) for d in args.head_dims.split(",")]
+    shapes = prefill_suite(seqlens, dims, causal, kv_heads=args.kv_heads)
     gpu = cuda_gpu(0)
     named = {shape: candidates(shape.problem("bfloat16"), gpu) for shape in shapes}
     jobs = sorted({(_bucket(shape), v.to_json()) for shape in shapes for v in named[shape].values()}, key=str)

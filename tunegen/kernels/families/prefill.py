@@ -198,9 +198,9 @@ def _ws_measured(problem: Problem, gpu: Gpu) -> PrefillVariant | None:
     None where it does not run or launches less than one wave of 128-row tiles, where the
     schedule's machinery buys nothing and its launch, which encodes four TMA descriptors, costs
     twice FA2's (benchmarks/results/launch_h100.md). Persistent programs take their tiles from
-    the dynamic scheduler with two query slots per consumer wherever that measured best: all
-    but causal head dim 128 up to 1024 tokens, where two non-persistent one-consumer programs
-    per SM lead."""
+    the dynamic scheduler wherever that measured best, all but causal head dim 128 at 512
+    tokens (where two non-persistent one-consumer programs per SM lead), with two query slots
+    per consumer but at causal head dim 64 from 8192 tokens."""
     if not runs_ws(problem, gpu):
         return None
     if problem.batch * problem.num_heads_q * -(-problem.seqlen_q // 128) < gpu.sm_count:
@@ -218,15 +218,15 @@ def _ws_measured(problem: Problem, gpu: Gpu) -> PrefillVariant | None:
     if problem.head_dim == 128:
         if not problem.causal:
             return two.replace(**dynamic)
-        return pair if n <= 1024 else two.replace(pingpong=True, **dynamic)
+        return pair if n <= 512 else two.replace(pingpong=True, **dynamic)
     three = two.replace(consumers=3, pingpong=True, overlap=False, **dynamic)
     if not problem.causal:
         if n <= 512:
             return pair.replace(block_m=128, num_stages=3, **dynamic)
         if n <= 1024:
             return two.replace(pingpong=True, **dynamic)
-        return three if n < 16384 else three.replace(q_stages=1)
-    return pair.replace(block_m=128, **dynamic) if n <= 4096 else three
+        return three
+    return pair.replace(block_m=128, **dynamic) if n <= 4096 else three.replace(q_stages=1)
 
 
 def fa2_default(problem: Problem, gpu: Gpu) -> PrefillVariant:
