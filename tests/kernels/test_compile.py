@@ -181,6 +181,7 @@ def test_ws_variants_compile_for_sm90_with_wgmma_and_without_spilling():
     ws = prefill.PrefillVariant(schedule="ws", block_n=128, consumers=2, pingpong=True, overlap=True)
     grouped = dataclasses.replace(ws, block_n=64, num_stages=3, order="grouped")
     pair = dataclasses.replace(ws, block_n=64, consumers=1, pingpong=False, ctas_per_sm=2)
+    dynamic = {"persistent": True, "dynamic": True}
     cases = [  # dtype, head dim, causal, KV heads, lse, variant
         ("bfloat16", 128, True, 4, True, ws),
         ("float16", 128, False, 16, False, dataclasses.replace(ws, consumers=1, pingpong=False)),
@@ -191,23 +192,9 @@ def test_ws_variants_compile_for_sm90_with_wgmma_and_without_spilling():
         ("e4m3", 128, True, 4, True, ws),
         ("e4m3", 128, False, 16, False, dataclasses.replace(ws, num_stages=4, persistent=True)),
         ("e4m3", 64, True, 16, True, dataclasses.replace(ws, consumers=3, overlap=False, order="grouped")),
-        ("bfloat16", 128, True, 4, True, dataclasses.replace(ws, persistent=True, dynamic=True, q_stages=2)),
-        (
-            "bfloat16",
-            64,
-            True,
-            16,
-            False,
-            dataclasses.replace(pair, persistent=True, dynamic=True, q_stages=2),
-        ),
-        (
-            "e4m3",
-            128,
-            True,
-            16,
-            True,
-            dataclasses.replace(ws, persistent=True, dynamic=True, order="grouped"),
-        ),
+        ("bfloat16", 128, True, 4, True, dataclasses.replace(ws, q_stages=2, **dynamic)),
+        ("bfloat16", 64, True, 16, False, dataclasses.replace(pair, q_stages=2, **dynamic)),
+        ("e4m3", 128, True, 16, True, dataclasses.replace(ws, order="grouped", **dynamic)),
     ]
     admitted, jobs = [], []
     for case in cases:

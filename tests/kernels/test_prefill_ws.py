@@ -18,6 +18,7 @@ from tunegen.kernels.families import backward, base, prefill
 from tunegen.kernels.gpu import interpreter_gpu
 from tunegen.kernels.problem import Problem
 from tunegen.kernels.reference import attention_reference
+from tunegen.measure.suites import prefill_suite
 
 WS = prefill.PrefillVariant(
     schedule="ws", block_m=64, block_n=128, num_stages=2, consumers=2, pingpong=True, overlap=True
@@ -256,6 +257,18 @@ def test_public_call_serves_the_hopper_default():
         ref, ref_lse = attention_reference(q, k, v, causal=causal, scale=128**-0.5)
         assert rel_err(out, ref) < REL_TOL[q.dtype]
         assert_lse(lse, ref_lse, q.dtype)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("kv_heads", [None, 4], ids=["mha", "gqa"])
+def test_every_suite_default_is_a_variant_the_schedule_takes(fp8, kv_heads):
+    """The H100 defaults of every suite row (both masks, N = 512 to 32k) build as Variants that
+    the family checks and constrains, so that no public call meets a default it refuses."""
+    for shape in prefill_suite((512, 1024, 2048, 4096, 8192, 16384, 32768), (64, 128), kv_heads=kv_heads):
+        problem = dataclasses.replace(shape.problem("bfloat16"), fp8=fp8)
+        variant = prefill.FAMILY.default_variant(problem, H100)
+        prefill.FAMILY.check_variant(variant, problem, H100)
+        assert prefill.FAMILY.constraint(variant, problem, H100) is None, (shape, variant)
 
 
 def test_below_one_wave_of_tiles_the_default_is_fa2():
