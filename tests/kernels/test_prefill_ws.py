@@ -247,6 +247,37 @@ def test_ws_strided_views_and_persistent_waves():
             _check(dynamic, q, k, v, causal=True)
 
 
+# Persistent programs, each walking several tiles: a fixed stride or the dynamic scheduler's
+# counter, one query slot or two, with the other knobs their barriers meet.
+PERSISTENT = [
+    dataclasses.replace(WS, persistent=True),
+    dataclasses.replace(WS, persistent=True, q_stages=2, overlap=False),
+    dataclasses.replace(WS, persistent=True, dynamic=True, order="grouped", reverse_m=True),
+    dataclasses.replace(WS, persistent=True, dynamic=True, q_stages=2, pingpong=False, num_stages=3),
+    dataclasses.replace(WS, consumers=3, block_n=64, persistent=True, dynamic=True, q_stages=2, num_stages=4),
+    dataclasses.replace(PAIR, persistent=True, q_stages=2, order="head_inner", reverse_m=True),
+    dataclasses.replace(PAIR, persistent=True, dynamic=True, q_stages=2, order="grouped", reverse_m=True),
+]
+
+
+@pytest.mark.gpu
+@HOPPER
+@pytest.mark.parametrize("variant", PERSISTENT, ids=lambda v: v.to_json())
+@pytest.mark.parametrize(("nq", "nk"), [(1100, 300), (1031, 1031)], ids=str)
+@pytest.mark.parametrize("d", [64, 128])
+def test_persistent_programs_walk_many_tiles(variant, nq, nk, d):
+    """8 sequences x 16 query heads (4 KV heads) of up to 18 tiles each: every program walks
+    several, so the query slots, the barriers' phases and the slots freed across a tile boundary
+    all turn over; causal with more queries than keys, the first tiles see no key at all."""
+    if prefill.FAMILY.constraint(variant, dataclasses.replace(PROBLEM, head_dim=d), INSTALLED):
+        pytest.skip("outside the constraint at this head dim on this Triton")
+    q, k, v = _inputs(8, 16, 4, nq, nk, d, torch.bfloat16, seed=nq + nk + d)
+    for causal in (False, True):
+        out = _check(variant, q, k, v, causal)
+        if causal and nq > nk:
+            assert torch.all(out[:, :, : nq - nk] == 0)
+
+
 @pytest.mark.gpu
 @HOPPER
 def test_public_call_serves_the_hopper_default():
@@ -362,7 +393,10 @@ def test_ws_fp8_takes_fa3_descales_and_row_major_v():
     q, k, v = _inputs(3, 8, 1, 1100, 1100, 128, torch.bfloat16, seed=21)
     x = tunegen.quantize_fp8(q, k, v, per_block=False)
     runs_fp8 = prefill.FAMILY.constraint(WS, dataclasses.replace(FP8, head_dim=128), INSTALLED) is None
-    for variant in (WS, dataclasses.replace(WS, persistent=True)) if runs_fp8 else ():
+    dynamic = dataclasses.replace(
+        WS, persistent=True, dynamic=True, q_stages=2, order="grouped", reverse_m=True
+    )
+    for variant in (WS, dataclasses.replace(WS, persistent=True), dynamic) if runs_fp8 else ():
         for causal in (False, True):
             a = _fp8_check(variant, x, causal)
             b = _fp8_check(variant, x._replace(v=x.v.contiguous()), causal)

@@ -197,10 +197,10 @@ def _ws_measured(problem: Problem, gpu: Gpu) -> PrefillVariant | None:
     3.6 (bf16: benchmarks/results/issue31_h100.md, over prefill_ws_h100.md; FP8: fp8_h100.md), or
     None where it does not run or launches less than one wave of 128-row tiles, where the
     schedule's machinery buys nothing and its launch, which encodes four TMA descriptors, costs
-    twice FA2's (benchmarks/results/launch_h100.md). Persistent programs take their tiles from
-    the dynamic scheduler wherever that measured best, all but causal head dim 128 at 512
-    tokens (where two non-persistent one-consumer programs per SM lead), with two query slots
-    per consumer but at causal head dim 64 from 8192 tokens."""
+    twice FA2's (benchmarks/results/launch_h100.md). For 16-bit inputs, persistent programs take
+    their tiles from the dynamic scheduler but at causal head dim 128 up to 512 tokens (where
+    two non-persistent one-consumer programs per SM lead), with two query slots per consumer
+    but at causal head dim 64 past 4096 tokens."""
     if not runs_ws(problem, gpu):
         return None
     if problem.batch * problem.num_heads_q * -(-problem.seqlen_q // 128) < gpu.sm_count:
@@ -270,7 +270,7 @@ class PrefillFamily:
     conditions: ClassVar[dict[str, tuple[str, tuple]]] = {
         **{k: ("schedule", ("fa2",)) for k in FA2_KNOBS},
         **{k: ("schedule", ("ws",)) for k in WS_KNOBS if k not in ("pingpong", "ctas_per_sm")},
-        # consumers is itself a knob of "ws" only
+        # consumers is itself a knob of "ws" only; the persistent knobs' condition follows
         "pingpong": ("consumers", (2, 3)),
         # two programs per SM leave registers for one consumer each: asked only then (not
         # asked and refused, which cost a sixth of the tuner's asks)
