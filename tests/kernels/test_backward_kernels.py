@@ -158,13 +158,13 @@ def test_deterministic_algorithms_get_a_fixed_order_dq(tmp_path, monkeypatch):
 
 def test_each_family_names_its_fixed_order_form():
     """The backward's atomic dQ and the Hopper schedule's unordered adds change (within the
-    family's constraint); nothing else does."""
+    family's constraint; the Hopper schedule's to the writer warp's adds); nothing else does."""
     family = get("backward")
     problem = Problem("backward", "bfloat16", 128, True, 16, 4, 2, 4096, 4096)
     ws = backward.BackwardVariant(dkdv_block_m=64, dkdv_block_n=128, num_warps=8, num_stages=2, schedule="ws")
     for dq_write in ("tma", "atomic"):
         tuned = ws.replace(dq_write=dq_write)
-        assert family.deterministic(tuned, problem, H100) == tuned.replace(deterministic=True)
+        assert family.deterministic(tuned, problem, H100) == tuned.replace(deterministic=True, dq_write="tma")
     for mode in ("separate", "concurrent", "partial"):
         loops = Variant(dq_mode=mode)
         assert family.deterministic(loops, problem, H100) is loops

@@ -54,9 +54,10 @@ class BackwardVariant(Variant):
     schedule, which keeps a tile of dkdv_block_n keys per program and walks query tiles of
     dkdv_block_m rows (64 or 128 each) with num_warps / 4 consumer warpgroups (4 or 8 warps) and a
     ring of num_stages (2 to 4) Q and dO slots, in `order`; its own knobs: dq_write, "tma" (dQ
-    added into float32 by a writer warp's TMA reduce-add from shared memory) or "atomic" (atomic
-    adds from registers); deterministic, the adds into each query tile take turns in key-tile
-    order, so the same inputs give the same bits; producer_regs, the registers per thread of the
+    added into float32 by a writer warp's TMA reduce-add from shared memory) or "atomic" (16-byte
+    atomic reductions from the consumers' registers, into an accumulator laid out in their order);
+    deterministic, the adds into each query tile take turns in key-tile order, so the same inputs
+    give the same bits; producer_regs, the registers per thread of the
     TMA producer warp and of the dQ writer (the consumers share the rest); kv_regs, K and V held
     in registers as the left operands of Sᵀ and dPᵀ rather than read from shared memory every step
     (the walk is bound by shared-memory bandwidth; head dim 64 has the registers). Knobs that do
@@ -295,11 +296,13 @@ class BackwardFamily:
         return ws_default(problem, BackwardVariant) if runs_ws(problem, gpu) else loops_default(problem, gpu)
 
     def deterministic(self, variant: BackwardVariant, problem: Problem, gpu: Gpu) -> BackwardVariant:
-        """dQ added in a fixed order: the Hopper schedule's adds take turns in key-tile order, the
+        """dQ added in a fixed order: the Hopper schedule's adds take turns in key-tile order, by
+        the writer warp's TMA reduce-add (1.3-1.6x the consumers' own reductions, which wait for
+        their turns where the writer warp waits for them: benchmarks/results/issue30_h100.md), the
         loops' atomic dQ becomes a pass of its own (the other dQ modes own their tiles of dQ), or
         where that pass's tiles would not fit, the loops' default."""
         if variant.schedule == "ws":
-            return variant.replace(deterministic=True)
+            return variant.replace(deterministic=True, dq_write="tma")
         if variant.dq_mode != "atomic":
             return variant
         separate = variant.replace(dq_mode="separate")

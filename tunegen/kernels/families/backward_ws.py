@@ -63,8 +63,9 @@ def ws_default(problem: Problem, variant_type: Any) -> Any:
     """The Hopper schedule's measured best on an H100 with Triton 3.6
     (benchmarks/results/issue30_h100.md): FlashAttention-3's head dim 128 tiles (two consumer
     warpgroups over 128 keys, query tiles of 64 rows) everywhere; at head dim 64 with K and V in
-    registers (+5-15%); a third ring slot for causal Problems past 4096 tokens (+4% at 16k)."""
-    stages = 3 if problem.causal and problem.seqlen_q > 4096 else 2
+    registers (+5-15%); dQ added from registers by vector reductions (+2-10% over the writer
+    warp's TMA reduce-add, which then no longer gains from a third ring slot: 2 slots
+    everywhere, 0-10% faster than 3 with the reductions)."""
     return variant_type(
-        64, 128, num_warps=8, num_stages=stages, schedule="ws", kv_regs=problem.head_dim <= 64
+        64, 128, num_warps=8, num_stages=2, schedule="ws", dq_write="atomic", kv_regs=problem.head_dim <= 64
     )
