@@ -146,6 +146,8 @@ WS_KNOBS = [
     dict(dq_write="atomic"),
     dict(deterministic=True),
     dict(dq_write="atomic", deterministic=True),
+    dict(dq_write="atomic", num_stages=3),
+    dict(dq_write="atomic", kv_regs=True),
     dict(producer_regs=40),
     dict(num_warps=4, dkdv_block_n=64),
     dict(dkdv_block_m=128),

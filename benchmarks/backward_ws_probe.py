@@ -1,6 +1,8 @@
-"""Where the backward's Hopper schedule spends its time: the default Variant's rendered module, and
-copies of it with one piece of each step taken out, timed back to back (CUDA events, median of
-30 after 3 warm-ups) beside cuDNN's backward through autograd.
+"""Where the backward's Hopper schedule spends its time: the default Variant's rendered module with
+dQ added by the writer warp's TMA reduce-add (the path whose pieces the dQ patches take out; the
+default adds dQ from registers), and copies of it with one piece of each step taken out, timed
+back to back (CUDA events, median of 30 after 3 warm-ups) beside cuDNN's backward through
+autograd.
 
 The patched copies compute wrong gradients: their times bound what removing (or hiding) that
 piece could gain, nothing more (but for no_causal_split, which keeps them right). A patch whose
@@ -108,7 +110,7 @@ def main() -> None:
             peer_out = F.scaled_dot_product_attention(*leaves, is_causal=problem.causal)
         ms = _median_ms(lambda o=peer_out, x=leaves, g=dout: torch.autograd.grad(o, x, g, retain_graph=True))
         line = [f"cudnn {flops / ms / 1e9:4.0f}"]
-        variant = backward.FAMILY.default_variant(problem, gpu)
+        variant = backward.FAMILY.default_variant(problem, gpu).replace(dq_write="tma")
         features = backward.FAMILY.features(problem, gpu)
         source = render(backward.FAMILY.template, "backward", variant, features).source
         for name in args.patches.split(","):
