@@ -84,6 +84,11 @@ def test_ws_default_adds_dq_from_registers_and_deterministic_takes_the_writer_wa
         fixed = backward.FAMILY.deterministic(default, problem, H100)
         assert (fixed.dq_write, fixed.deterministic) == ("tma", True)
         assert fixed.replace(dq_write="atomic", deterministic=False) == default
+    # A ring of four slots leaves no room for the writer's float32 tile: the reductions take turns.
+    deep = default.replace(num_stages=4)
+    assert backward.FAMILY.constraint(deep, PROBLEM, H100) is None
+    assert backward.FAMILY.constraint(deep.replace(dq_write="tma"), PROBLEM, H100) is not None
+    assert backward.FAMILY.deterministic(deep, PROBLEM, H100) == deep.replace(deterministic=True)
 
 
 # --- on the GPU -----------------------------------------------------------------------------

@@ -298,11 +298,14 @@ class BackwardFamily:
     def deterministic(self, variant: BackwardVariant, problem: Problem, gpu: Gpu) -> BackwardVariant:
         """dQ added in a fixed order: the Hopper schedule's adds take turns in key-tile order, by
         the writer warp's TMA reduce-add (1.3-1.6x the consumers' own reductions, which wait for
-        their turns where the writer warp waits for them: benchmarks/results/issue30_h100.md), the
-        loops' atomic dQ becomes a pass of its own (the other dQ modes own their tiles of dQ), or
-        where that pass's tiles would not fit, the loops' default."""
+        their turns where the writer warp waits for them: benchmarks/results/issue30_h100.md)
+        unless its shared-memory tile would not fit, the loops' atomic dQ becomes a pass of its own
+        (the other dQ modes own their tiles of dQ), or where that pass's tiles would not fit, the
+        loops' default."""
         if variant.schedule == "ws":
-            return variant.replace(deterministic=True, dq_write="tma")
+            writer = variant.replace(deterministic=True, dq_write="tma")
+            fits = self.constraint(writer, problem, gpu) is None
+            return writer if fits else variant.replace(deterministic=True)
         if variant.dq_mode != "atomic":
             return variant
         separate = variant.replace(dq_mode="separate")
