@@ -9,6 +9,10 @@ A version is a template file (an older one from git: `git show REV:templates/_at
     python benchmarks/backward_ab.py render old old.j2
     python benchmarks/backward_ab.py render new templates/_attention_bwd_ws.j2 '{"num_stages": 3}'
     python benchmarks/backward_ab.py time old,new --seqlens 1024,4096,16384 -o ab.json
+
+With `--sustain SECONDS`, each version (and cuDNN) then runs back to back for that long at the
+longest length, twice in turn (forward order, then reversed), while NVML's energy counter is read:
+the speed a power-capped GPU holds and the joules a call spends.
 """
 
 from __future__ import annotations
@@ -94,6 +98,59 @@ def _ms_of(fn, reps: int) -> list[float]:
     return [start.elapsed_time(end) for start, end in events]
 
 
+def _energy_reader():
+    """A function returning the GPU's energy counter in joules (NVML), or None where NVML is absent."""
+    import ctypes
+
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+        handle = ctypes.c_void_p()
+        if nvml.nvmlInit_v2() or nvml.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(handle)):
+            return None
+    except OSError:
+        return None
+
+    def read() -> float:
+        mj = ctypes.c_ulonglong()
+        nvml.nvmlDeviceGetTotalEnergyConsumption(handle, ctypes.byref(mj))
+        return mj.value / 1000
+
+    return read
+
+
+def _sustain(calls: dict, flops: float, seconds: float) -> dict:
+    """Each call back to back for `seconds`, in order then reversed: sustained TFLOP/s, joules per
+    call and mean watts per name, over both turns."""
+    import time
+
+    import torch
+
+    energy = _energy_reader()
+    totals = {t: [0, 0.0, 0.0] for t in calls}
+    for names in (list(calls), list(calls)[::-1]):
+        for t in names:
+            calls[t]()
+            torch.cuda.synchronize()
+            j0 = energy() if energy else 0.0
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            t0, count = time.perf_counter(), 0
+            while time.perf_counter() - t0 < seconds:
+                for _ in range(4):
+                    calls[t]()
+                count += 4
+                torch.cuda.synchronize()
+            end.record()
+            torch.cuda.synchronize()
+            totals[t][0] += count
+            totals[t][1] += start.elapsed_time(end)
+            totals[t][2] += (energy() - j0) if energy else float("nan")
+    return {
+        t: {"tflops": flops * c / ms / 1e9, "joules_per_call": j / c, "watts": j / ms * 1e3}
+        for t, (c, ms, j) in totals.items()
+    }
+
+
 def _lse(q, k, causal: bool, scale: float):
     """The forward's natural-log log-sum-exp in float32, by chunks of rows."""
     import torch
@@ -109,8 +166,9 @@ def _lse(q, k, causal: bool, scale: float):
     return lse
 
 
-def time_versions(tags: list[str], seqlens: list[int]) -> list[dict]:
-    """Check and time every tag's modules beside cuDNN, per suite shape; one record per shape."""
+def time_versions(tags: list[str], seqlens: list[int], sustain: float = 0.0) -> list[dict]:
+    """Check and time every tag's modules beside cuDNN, per suite shape; one record per shape,
+    with `sustain` > 0 the sustained speed and energy at the longest length too."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -169,6 +227,13 @@ def time_versions(tags: list[str], seqlens: list[int]) -> list[dict]:
                 t: (sorted(x)[len(x) * 3 // 4] - sorted(x)[len(x) // 4]) / median[t] for t, x in times.items()
             }
             rows.append({"d": d, "causal": causal, "n": n, "tflops": tflops, "err": errs, "spread": spread})
+            if sustain > 0 and n == max(seqlens):
+                rows[-1]["sustained"] = held = _sustain(calls, flops, sustain)
+                shown = (
+                    f"{t}={x['tflops']:4.0f} ({x['joules_per_call']:.3f} J, {x['watts']:3.0f} W)"
+                    for t, x in held.items()
+                )
+                print("  sustained " + " ".join(shown), flush=True)
             print(
                 f"D{d} {'c ' if causal else 'nc'} N={n:5d} "
                 + " ".join(f"{t}={tflops[t]:4.0f}" for t in names)
@@ -191,12 +256,13 @@ def main() -> None:
     t = sub.add_parser("time", help="check and time rendered versions beside cuDNN (GPU)")
     t.add_argument("tags")
     t.add_argument("--seqlens", default="1024,4096,16384")
+    t.add_argument("--sustain", type=float, default=0.0, help="seconds of back-to-back calls per version")
     t.add_argument("-o", "--output")
     args = ap.parse_args()
     if args.command == "render":
         render_version(args.tag, args.template, json.loads(args.changes))
         return
-    rows = time_versions(args.tags.split(","), [int(n) for n in args.seqlens.split(",")])
+    rows = time_versions(args.tags.split(","), [int(n) for n in args.seqlens.split(",")], args.sustain)
     if args.output:
         pathlib.Path(args.output).write_text(json.dumps(rows, indent=1))
 

@@ -42,6 +42,13 @@ def _echo(payload):
     return {"status": "ok", "pid": os.getpid(), **payload}
 
 
+def _nap(payload):
+    """Long enough that the pool's two threads hold their workers at once: a fast task may be
+    handed back before the second thread takes one, and then both run on the same worker."""
+    time.sleep(1.0)
+    return _echo(payload)
+
+
 def test_workers_survive_crashes_and_hangs(zygote):
     worker = Worker(interpret=True, zygote=zygote)
     try:
@@ -61,7 +68,7 @@ def test_workers_survive_crashes_and_hangs(zygote):
         worker.close()
     pool = WorkerPool(2, interpret=True, zygote=zygote)
     try:
-        futures = [pool.submit(_echo, {"i": i}, timeout=60) for i in range(5)]
+        futures = [pool.submit(_nap, {"i": i}, timeout=60) for i in range(5)]
         results = [f.result() for f in futures]
         assert [r["i"] for r in results] == list(range(5)) and len({r["pid"] for r in results}) == 2
     finally:
