@@ -91,6 +91,40 @@ def test_ws_default_adds_dq_from_registers_and_deterministic_takes_the_writer_wa
     assert backward.FAMILY.deterministic(deep, PROBLEM, H100) == deep.replace(deterministic=True)
 
 
+def test_ws_default_follows_the_release_it_was_measured_on():
+    """Triton 3.7 has its own measured table (a third slot, the writer warp under a causal mask at
+    head dim 128); other releases keep 3.6's; every default and its fixed-order form fit."""
+    for version, expected in (
+        (
+            "3.7.1",
+            {
+                (64, False): ("atomic", 3),
+                (64, True): ("atomic", 2),
+                (128, False): ("atomic", 3),
+                (128, True): ("tma", 2),
+            },
+        ),
+        (
+            "3.9.0",
+            {
+                (64, False): ("atomic", 2),
+                (64, True): ("atomic", 2),
+                (128, False): ("atomic", 2),
+                (128, True): ("atomic", 2),
+            },
+        ),
+    ):
+        gpu = dataclasses.replace(H100, triton_version=version)
+        for (d, causal), (dq_write, stages) in expected.items():
+            problem = dataclasses.replace(PROBLEM, head_dim=d, causal=causal)
+            default = backward.FAMILY.default_variant(problem, gpu)
+            assert (default.dq_write, default.num_stages, default.kv_regs) == (dq_write, stages, d == 64)
+            fixed = backward.FAMILY.deterministic(default, problem, gpu)
+            assert fixed.dq_write == "tma" and fixed.deterministic
+            for variant in (default, fixed):
+                assert backward.FAMILY.constraint(variant, problem, gpu) is None
+
+
 # --- on the GPU -----------------------------------------------------------------------------
 
 KNOBS = [

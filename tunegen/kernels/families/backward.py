@@ -293,7 +293,9 @@ class BackwardFamily:
     def default_variant(self, problem: Problem, gpu: Gpu) -> BackwardVariant:
         """Until tuned Winners exist: the Hopper schedule wherever it runs (`ws_default`), else
         FlashAttention-2's loops (`loops_default`)."""
-        return ws_default(problem, BackwardVariant) if runs_ws(problem, gpu) else loops_default(problem, gpu)
+        if runs_ws(problem, gpu):
+            return ws_default(problem, BackwardVariant, gpu.triton_version)
+        return loops_default(problem, gpu)
 
     def deterministic(self, variant: BackwardVariant, problem: Problem, gpu: Gpu) -> BackwardVariant:
         """dQ added in a fixed order: the Hopper schedule's adds take turns in key-tile order, by

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tunegen.kernels import releases
 from tunegen.kernels.families.prefill_ws import REGISTER_FILE
 from tunegen.kernels.gpu import Gpu
 from tunegen.kernels.problem import Problem
@@ -59,13 +60,21 @@ def ws_constraint(variant: Any, problem: Problem, gpu: Gpu) -> str | None:
     return None
 
 
-def ws_default(problem: Problem, variant_type: Any) -> Any:
+def ws_default(problem: Problem, variant_type: Any, triton_version: str) -> Any:
     """The Hopper schedule's measured best on an H100 with Triton 3.6
     (benchmarks/results/issue30_h100.md): FlashAttention-3's head dim 128 tiles (two consumer
     warpgroups over 128 keys, query tiles of 64 rows) everywhere; at head dim 64 with K and V in
     registers (+5-15%); dQ added from registers by vector reductions (+2-10% over the writer
     warp's TMA reduce-add, which then no longer gains from a third ring slot: 2 slots
-    everywhere, 0-10% faster than 3 with the reductions)."""
-    return variant_type(
+    everywhere, 0-10% faster than 3 with the reductions). Triton 3.7 (torch 2.13's) compiles
+    the same Variants into other code, and measured best with a third slot but under a causal
+    mask at head dim 64 (+2-8%), and at head dim 128 under a causal mask with the writer warp's
+    TMA reduce-add (+1-7%); later releases keep 3.6's table, unmeasured."""
+    default = variant_type(
         64, 128, num_warps=8, num_stages=2, schedule="ws", dq_write="atomic", kv_regs=problem.head_dim <= 64
     )
+    if releases.version(triton_version) != (3, 7):
+        return default
+    if problem.causal:
+        return default.replace(dq_write="tma") if problem.head_dim > 64 else default
+    return default.replace(num_stages=3)

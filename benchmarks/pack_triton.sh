@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Packs a Triton release for the GPU machine, whose image has Triton 3.6 and no registry: the
+# cp312 wheel from the registry (here), less what tunegen never loads (the AMD backend, the
+# Blackwell ptxas, CUPTI, proton, plugins), its library stripped, as one xz file of about 45 MB.
+# That fits beside the working tree in the 64 MiB a call carries (the wheel is about 200 MB).
+#
+#   benchmarks/pack_triton.sh 3.7.1          # writes .triton/triton-3.7.1.tar.xz (ignored by git)
+#
+# On the GPU machine (carry ".triton"), unpack it and put it first on the path:
+#
+#   mkdir -p /tmp/t && tar xJf .triton/triton-3.7.1.tar.xz -C /tmp/t
+#   export PYTHONPATH=/tmp/t:$PYTHONPATH     # before the .whl site and the project
+#
+# A child started with `python -I` ignores PYTHONPATH and imports the image's Triton 3.6 again.
+set -euo pipefail
+version=${1:?usage: pack_triton.sh VERSION}
+root=$(git -C "$(dirname "$0")" rev-parse --show-toplevel)
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+python3 -m pip download -q "triton==$version" --no-deps --only-binary=:all: \
+    --python-version 3.12 --platform manylinux_2_27_x86_64 -d "$work/wheel"
+mkdir "$work/tree"
+python3 -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])' \
+    "$work"/wheel/triton-*.whl "$work/tree"
+cd "$work/tree"
+rm -rf triton/backends/amd triton/backends/nvidia/lib/cupti triton/backends/nvidia/bin/ptxas-blackwell \
+    triton/backends/nvidia/bin/nvdisasm triton/instrumentation triton/_C/libproton.so triton/plugins
+# Backends are found by entry point: the AMD one is gone.
+sed -i '/amd/d' triton-*.dist-info/entry_points.txt
+strip --strip-unneeded triton/_C/libtriton.so
+chmod +x triton/backends/nvidia/bin/*
+mkdir -p "$root/.triton"
+tar cf - triton triton-*.dist-info | xz -T2 -9e >"$root/.triton/triton-$version.tar.xz"
+ls -l "$root/.triton/triton-$version.tar.xz"
