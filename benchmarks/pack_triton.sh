@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Packs a Triton release for the GPU machine, whose image has Triton 3.6 and no registry: the
 # cp312 wheel from the registry (here), less what tunegen never loads (the AMD backend, the
-# Blackwell ptxas, CUPTI, proton, plugins), its library stripped, as one xz file of about 45 MB.
-# That fits beside the working tree in the 64 MiB a call carries (the wheel is about 200 MB).
+# Blackwell ptxas, CUPTI, proton, plugins), its library stripped, as one xz file: 45 MB for
+# 3.7.1, 57 MB for 3.9.0 (the wheels are about 200 MB). A call carries 64 MiB with the working
+# tree; where that is too little, `split -b 29M` the file and carry the parts in two calls on one
+# warm machine, copying the first to /tmp there (ignored paths stay between calls), then `cat` them.
 #
 #   benchmarks/pack_triton.sh 3.7.1          # writes .triton/triton-3.7.1.tar.xz (ignored by git)
 #
@@ -11,7 +13,8 @@
 #   mkdir -p /tmp/t && tar xJf .triton/triton-3.7.1.tar.xz -C /tmp/t
 #   export PYTHONPATH=/tmp/t:$PYTHONPATH     # before the .whl site and the project
 #
-# A child started with `python -I` ignores PYTHONPATH and imports the image's Triton 3.6 again.
+# (`gpu_session.sh other_tests` takes that folder as TRITON_SITE.) A child started with
+# `python -I` ignores PYTHONPATH and imports the image's Triton 3.6 again.
 set -euo pipefail
 version=${1:?usage: pack_triton.sh VERSION}
 root=$(git -C "$(dirname "$0")" rev-parse --show-toplevel)
@@ -25,6 +28,8 @@ python3 -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.arg
 cd "$work/tree"
 rm -rf triton/backends/amd triton/backends/nvidia/lib/cupti triton/backends/nvidia/bin/ptxas-blackwell \
     triton/backends/nvidia/bin/nvdisasm triton/instrumentation triton/_C/libproton.so triton/plugins
+# 3.9 asks for the Blackwell ptxas even for sm_90: the Hopper one answers under its name.
+ln -s ptxas triton/backends/nvidia/bin/ptxas-blackwell
 # Backends are found by entry point: the AMD one is gone.
 sed -i '/amd/d' triton-*.dist-info/entry_points.txt
 strip --strip-unneeded triton/_C/libtriton.so

@@ -92,8 +92,8 @@ def test_ws_default_adds_dq_from_registers_and_deterministic_takes_the_writer_wa
 
 
 def test_ws_default_follows_the_release_it_was_measured_on():
-    """Triton 3.7 has its own measured table (a third slot, the writer warp under a causal mask at
-    head dim 128); other releases keep 3.6's; every default and its fixed-order form fit."""
+    """From Triton 3.7 on, a table of its own (a third slot, the writer warp under a causal mask at
+    head dim 128); 3.6 keeps its own; every default and its fixed-order form fit."""
     for version, expected in (
         (
             "3.7.1",
@@ -106,6 +106,15 @@ def test_ws_default_follows_the_release_it_was_measured_on():
         ),
         (
             "3.9.0",
+            {
+                (64, False): ("atomic", 3),
+                (64, True): ("atomic", 2),
+                (128, False): ("atomic", 3),
+                (128, True): ("tma", 2),
+            },
+        ),
+        (
+            "3.6.0",
             {
                 (64, False): ("atomic", 2),
                 (64, True): ("atomic", 2),
