@@ -35,6 +35,20 @@ HOPPER = pytest.mark.skipif(
 )
 
 
+def ws_shapes(test):
+    """The Hopper schedule's float64 grid, on the GPU: head dims 64 and 128, ragged lengths (no
+    multiple of any tile; nq < nk and nq > nk, where causal rows may see no key), causal both."""
+    for mark in (
+        pytest.mark.parametrize("d", [64, 128]),
+        pytest.mark.parametrize(("nq", "nk"), [(333, 333), (200, 517), (517, 190)], ids=str),
+        pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"]),
+        HOPPER,
+        pytest.mark.gpu,
+    ):
+        test = mark(test)
+    return test
+
+
 def randn(*shape: int, dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> torch.Tensor:
     return torch.randn(*shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
 

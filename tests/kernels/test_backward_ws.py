@@ -14,7 +14,7 @@ import pytest
 import torch
 import triton
 
-from helpers import H100, HOPPER, assert_grads, qkv_dout, reference_grads, run_backward_variant
+from helpers import H100, HOPPER, assert_grads, qkv_dout, reference_grads, run_backward_variant, ws_shapes
 from tunegen.kernels.families import backward, base
 from tunegen.kernels.gpu import interpreter_gpu
 from tunegen.kernels.problem import Problem
@@ -92,37 +92,12 @@ def test_ws_default_adds_dq_from_registers_and_deterministic_takes_the_writer_wa
 
 
 def test_ws_default_follows_the_release_it_was_measured_on():
-    """From Triton 3.7 on, a table of its own (a third slot, the writer warp under a causal mask at
-    head dim 128); 3.6 keeps its own; every default and its fixed-order form fit."""
-    for version, expected in (
-        (
-            "3.7.1",
-            {
-                (64, False): ("atomic", 3),
-                (64, True): ("atomic", 2),
-                (128, False): ("atomic", 3),
-                (128, True): ("tma", 2),
-            },
-        ),
-        (
-            "3.9.0",
-            {
-                (64, False): ("atomic", 3),
-                (64, True): ("atomic", 2),
-                (128, False): ("atomic", 3),
-                (128, True): ("tma", 2),
-            },
-        ),
-        (
-            "3.6.0",
-            {
-                (64, False): ("atomic", 2),
-                (64, True): ("atomic", 2),
-                (128, False): ("atomic", 2),
-                (128, True): ("atomic", 2),
-            },
-        ),
-    ):
+    """From Triton 3.7 on, a table of its own (a third slot without a causal mask, the writer warp
+    under one at head dim 128); 3.6 keeps its own; every default and its fixed-order form fit."""
+    later = {(64, False): ("atomic", 3), (64, True): ("atomic", 2), (128, False): ("atomic", 3)}
+    later[128, True] = ("tma", 2)
+    tables = {"3.6.0": dict.fromkeys(later, ("atomic", 2)), "3.7.1": later, "3.9.0": later}
+    for version, expected in tables.items():
         gpu = dataclasses.replace(H100, triton_version=version)
         for (d, causal), (dq_write, stages) in expected.items():
             problem = dataclasses.replace(PROBLEM, head_dim=d, causal=causal)
@@ -154,12 +129,8 @@ KNOBS = [
 ]
 
 
-@pytest.mark.gpu
-@HOPPER
 @pytest.mark.parametrize("variant", KNOBS, ids=lambda v: v.to_json())
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize(("nq", "nk"), [(333, 333), (200, 517), (517, 190)], ids=str)
-@pytest.mark.parametrize("d", [64, 128])
+@ws_shapes
 def test_every_ws_knob_against_float64(variant, causal, nq, nk, d):
     """Ragged lengths (no multiple of any tile), GQA, batch 2, both causal alignments (with nq >
     nk, queries that see no key), a gradient of the log-sum-exp too."""

@@ -13,7 +13,7 @@ import torch
 import triton
 
 import tunegen
-from helpers import H100, HOPPER, REL_TOL, assert_lse, randn, rel_err, run_variant
+from helpers import H100, HOPPER, REL_TOL, assert_lse, randn, rel_err, run_variant, ws_shapes
 from tunegen.kernels.families import backward, base, prefill
 from tunegen.kernels.gpu import interpreter_gpu
 from tunegen.kernels.problem import Problem
@@ -189,12 +189,8 @@ def _check(variant, q, k, v, causal, scale=0.3, return_lse=True):
     return out
 
 
-@pytest.mark.gpu
-@HOPPER
 @pytest.mark.parametrize("variant", KNOBS, ids=lambda v: v.to_json())
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize(("nq", "nk"), [(333, 333), (200, 517), (517, 190)], ids=str)
-@pytest.mark.parametrize("d", [64, 128])
+@ws_shapes
 def test_every_ws_knob_against_float64(variant, causal, nq, nk, d):
     """Ragged lengths (no multiple of any tile), GQA, batch 2, both causal alignments; queries
     that see no key (causal, nq > nk) must come out as zeros with a log-sum-exp of -inf."""

@@ -11,7 +11,7 @@ import torch
 from test_prefill_ws import INSTALLED, PROBLEM, WS, _inputs
 
 import tunegen
-from helpers import H100, HOPPER, rel_err
+from helpers import H100, HOPPER, rel_err, ws_shapes
 from tunegen.kernels.families import prefill
 from tunegen.kernels.reference import attention_reference
 
@@ -65,12 +65,8 @@ def _fp8_check(variant, x, causal, scale=0.3):
     return out
 
 
-@pytest.mark.gpu
-@HOPPER
 @pytest.mark.parametrize("variant", FP8_KNOBS, ids=lambda v: v.to_json())
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize(("nq", "nk"), [(333, 333), (200, 517), (517, 190)], ids=str)
-@pytest.mark.parametrize("d", [64, 128])
+@ws_shapes
 def test_every_ws_knob_in_fp8_against_float64(variant, causal, nq, nk, d):
     """e4m3 inputs from tunegen.quantize_fp8 (per-block scales, rotated, V K-major), ragged, GQA."""
     if prefill.FAMILY.constraint(variant, dataclasses.replace(FP8, head_dim=d), INSTALLED):

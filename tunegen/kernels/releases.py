@@ -86,6 +86,13 @@ class Release:
         takes FlashAttention-2's loop there."""
         return () if self.version >= (3, 8) else (64, 128)
 
+    @property
+    def ws_backward_table(self) -> tuple[int, int]:
+        """The release whose measured defaults the backward's Hopper schedule takes: 3.7 and
+        later compile the same Variants into other code than 3.6, measured best with other knobs
+        on 3.7.1 and 3.9.0 alike (benchmarks/results/issue30_h100.md)."""
+        return (3, 7) if self.version >= (3, 7) else (3, 6)
+
     def require(self, schedule: str) -> None:
         """Raise ValueError naming `schedule` if its templates need a newer release than this."""
         oldest = SCHEDULES.get(schedule)

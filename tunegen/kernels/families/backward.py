@@ -294,7 +294,7 @@ class BackwardFamily:
         """Until tuned Winners exist: the Hopper schedule wherever it runs (`ws_default`), else
         FlashAttention-2's loops (`loops_default`)."""
         if runs_ws(problem, gpu):
-            return ws_default(problem, BackwardVariant, gpu.triton_version)
+            return ws_default(problem, BackwardVariant, gpu)
         return loops_default(problem, gpu)
 
     def deterministic(self, variant: BackwardVariant, problem: Problem, gpu: Gpu) -> BackwardVariant:

@@ -60,20 +60,20 @@ def ws_constraint(variant: Any, problem: Problem, gpu: Gpu) -> str | None:
     return None
 
 
-def ws_default(problem: Problem, variant_type: Any, triton_version: str) -> Any:
+def ws_default(problem: Problem, variant_type: Any, gpu: Gpu) -> Any:
     """The Hopper schedule's measured best on an H100 with Triton 3.6
     (benchmarks/results/issue30_h100.md): FlashAttention-3's head dim 128 tiles (two consumer
     warpgroups over 128 keys, query tiles of 64 rows) everywhere; at head dim 64 with K and V in
     registers (+5-15%); dQ added from registers by vector reductions (+2-10% over the writer
     warp's TMA reduce-add, which then no longer gains from a third ring slot: 2 slots
-    everywhere, 0-10% faster than 3 with the reductions). Triton 3.7 and 3.9 compile the same
-    Variants into other code, and measured best with a third slot without a causal mask (3.7:
-    +1-8%; 3.9: +1-4% at head dim 128, within 1% at 64) and at head dim 128 under one with the
-    writer warp's TMA reduce-add (3.7: +1-7%; 3.9: +1-3%); 3.8, between them, takes theirs."""
+    everywhere, 0-10% faster than 3 with the reductions). The table of 3.7 and later
+    (`Release.ws_backward_table`) takes a third slot without a causal mask (3.7: +1-8%; 3.9:
+    +1-4% at head dim 128, within 1% at 64) and at head dim 128 under one the writer warp's TMA
+    reduce-add (3.7: +1-7%; 3.9: +1-3%)."""
     default = variant_type(
         64, 128, num_warps=8, num_stages=2, schedule="ws", dq_write="atomic", kv_regs=problem.head_dim <= 64
     )
-    if releases.version(triton_version) < (3, 7):
+    if releases.of(gpu.triton_version).ws_backward_table < (3, 7):
         return default
     if problem.causal:
         return default.replace(dq_write="tma") if problem.head_dim > 64 else default
