@@ -202,6 +202,19 @@ def tiny_problems():
     return [dry_run(p) for p in problems(shapes, causal=(False,), seqlens=(1024,))]
 
 
+def assert_each_variant_evaluated_once(url: str, gpu: Gpu, problem, count: int) -> None:
+    """The study of `problem` on `gpu` evaluated `count` Variants, none twice, and left no trial
+    running: what a search that moves work ahead (or splits it) must not lose or repeat."""
+    import optuna
+
+    from tunegen.tuning.study import evaluated, study_name
+
+    trials = optuna.load_study(study_name=study_name(gpu, problem, "tpe"), storage=url).trials
+    done = [t.user_attrs["variant"] for t in trials if evaluated(t)]
+    assert len(done) == len(set(done)) == count
+    assert not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
+
+
 def dispatch_interprets() -> bool:
     """Whether CPU tensors run the kernels (under the interpreter) rather than the PyTorch fallback."""
     return backend_for(torch.device("cpu")) == "interpreter"

@@ -17,13 +17,13 @@ import pytest
 from click.testing import CliRunner
 from conftest import NEEDS_INTERPRETER
 
-from helpers import tiny_problems
+from helpers import assert_each_variant_evaluated_once, tiny_problems
 from tunegen.cli.main import main
 from tunegen.kernels.gpu import interpreter_gpu
 from tunegen.tuning import study, timeline
 from tunegen.tuning import tuner as tuner_module
 from tunegen.tuning.flight import FIRST_AHEAD, STRAGGLER, Flight, Pending
-from tunegen.tuning.study import evaluated, study_name
+from tunegen.tuning.study import study_name
 from tunegen.tuning.timeline import Span, Timeline, problem_label
 from tunegen.tuning.trial import compile_task
 from tunegen.tuning.tuner import TuneOptions, Tuner
@@ -195,10 +195,7 @@ def test_the_next_problem_compiles_while_one_finishes_and_loses_no_trial(tmp_pat
         second = tuner.tune(PROBLEMS[1])
         spans = tuner.timeline.take()
     assert first.winner is not None and second.winner is not None
-    trials = optuna.load_study(study_name=study_name(GPU, PROBLEMS[1], "tpe"), storage=url).trials
-    done = [t.user_attrs["variant"] for t in trials if evaluated(t)]
-    assert len(done) == len(set(done)) == 3
-    assert not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
+    assert_each_variant_evaluated_once(url, GPU, PROBLEMS[1], 3)
     lanes = {s.lane for s in spans}
     assert {"gpu", "sampler", "tuner"} <= lanes and any(lane.startswith("compile") for lane in lanes)
 
@@ -263,10 +260,7 @@ def test_compiled_trials_of_the_next_problem_are_timed_ahead_of_a_final_round(tm
         second = tuner.tune(PROBLEMS[1])
     assert waiting[0] == 0, "on the GPU's queue before the final round, not compiled and waiting"
     assert second.winner is not None
-    trials = optuna.load_study(study_name=study_name(GPU, PROBLEMS[1], "tpe"), storage=url).trials
-    done = [t.user_attrs["variant"] for t in trials if evaluated(t)]
-    assert len(done) == len(set(done)) == 3
-    assert not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
+    assert_each_variant_evaluated_once(url, GPU, PROBLEMS[1], 3)
 
 
 @NEEDS_INTERPRETER
@@ -309,10 +303,7 @@ def test_the_gpu_times_the_next_problem_while_the_last_compiles_finish(tmp_path,
     timed = [s for s in spans if s.lane == "gpu" and s.name.startswith("trial")]
     last_first = max(s.start for s in timed if s.problem == labels[0])
     assert any(s.problem == labels[1] and s.start < last_first for s in timed), "timed in the tail"
-    trials = optuna.load_study(study_name=study_name(GPU, PROBLEMS[1], "tpe"), storage=url).trials
-    done = [t.user_attrs["variant"] for t in trials if evaluated(t)]
-    assert len(done) == len(set(done)) == 3
-    assert not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
+    assert_each_variant_evaluated_once(url, GPU, PROBLEMS[1], 3)
 
 
 @NEEDS_INTERPRETER

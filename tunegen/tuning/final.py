@@ -57,21 +57,20 @@ class FinalRound:
         progress: Callable[[dict[str, Any]], None] | None = None,
         *,
         start: float | None = None,
+        then: Problem | None = None,
     ) -> Outcome:
         """Wait for the trials other processes hold on `problem` (a dead holder's are failed and
         their Variants evaluated here), then re-time the fastest few and record the Winner, with
         the best peer's time on the same Problem. Trials compiled meanwhile (the next Problem's)
-        are timed first (`_time_compiled`): the Outcome's wall time includes them."""
+        are timed first (`_time_compiled`), and while the final round runs the first trials of
+        `then` (the Problem this process searches next) are asked for and compile
+        (`_search_ahead`): the Outcome's wall time includes them."""
         start = time.monotonic() if start is None else start
         study = self._study(problem)
         self._time_compiled()
         self._settle(study, problem, progress)
         self._time_compiled()
-        if self._peer(study, problem) is None:
-            payload = self._payload(problem, None, self.options.seed)
-            self._peer_measured(study, problem, self._gpu_now("peers", problem, peers_task, payload))
-        peer = self._peer(study, problem) or {}
-        return self._finish(study, problem, get(problem.family), peer, start)
+        return self._finish(study, problem, get(problem.family), start, then)
 
     def _time_compiled(self) -> None:
         """Queue on the GPU the trials compiled meanwhile (the next Problem's), all of them past
@@ -82,15 +81,6 @@ class FinalRound:
         for ready in self.flight.ready.values():
             while ready:
                 self._on_gpu_queue(ready.popleft())
-
-    def _gpu_now(self, name: str, problem: Problem, task: Any, payload: dict[str, Any]) -> dict[str, Any]:
-        """`task(payload)` on the timing worker, for the main thread: through the timing thread,
-        after what it holds (its warm-up, a trial), so that two threads never share the worker;
-        a signal stops the wait."""
-        future = self._timing.submit(self._on_gpu, name, problem, task, payload)
-        while not concurrent.futures.wait([future], SLICE_S).done:
-            check()
-        return future.result()
 
     def _peer_measured(self, study: optuna.Study, problem: Problem, result: dict[str, Any]) -> None:
         """Keep the fastest peer's time (for the progress line and the Winner's record), and share
@@ -109,6 +99,13 @@ class FinalRound:
         )
         if then is not None and idle:
             self._time_peers(then)
+
+    def time_peers_first(self, problems: list[Problem]) -> None:
+        """Queue the timing of these Problems' peers on the GPU now, those this process times: a
+        rank's first ones at a run's start, where the GPU would otherwise wait for the first
+        compiles (1-2 s on 2 x H200, 2026-11-26), and times them later anyway."""
+        for problem in problems:
+            self._time_peers(problem)
 
     def _time_peers(self, problem: Problem) -> None:
         """Queue the timing of `problem`'s peers on the GPU, if this process times them and they
@@ -141,34 +138,66 @@ class FinalRound:
                 return
             self.search(problem, progress)
 
-    def _final_round(self, problem: Problem, complete: list) -> tuple[Any, float]:
-        """Re-time the fastest few with longer runs, back to back, and keep the fastest: one short
-        timing can be off by a few percent, more than separates the leaders."""
+    def _final_round(self, problem: Problem, complete: list) -> list[tuple[Any, concurrent.futures.Future]]:
+        """The fastest few, each re-timed with a longer run, back to back on the GPU (futures of
+        the timing thread): one short timing can be off by a few percent, more than separates the
+        leaders. None to re-time where one trial completed, or off a GPU."""
         ranked = sorted(complete, key=lambda t: (t.value, t.number))[:FINALISTS]
         if len(ranked) == 1 or self.gpu.backend != "cuda":
-            return ranked[0], float(ranked[0].value)
+            return []
         timed = []
         for trial in ranked:
             payload = self._payload(problem, None, self.options.seed + trial.number)
             payload.update(variant=trial.user_attrs["variant"], rep_ms=FINAL_REP_MS)
-            result = self._gpu_now("final round", problem, evaluate_task, payload)
-            if result["status"] == "ok":
-                timed.append((result["ms"], trial.number, trial))
-        if not timed:
-            return ranked[0], float(ranked[0].value)
-        ms, _, trial = min(timed)
-        return trial, float(ms)
+            future = self._timing.submit(self._on_gpu, "final round", problem, evaluate_task, payload)
+            timed.append((trial, future))
+        return timed
 
-    def _finish(self, study, problem, family, peer, start) -> Outcome:
+    def _search_ahead(self, running: list[concurrent.futures.Future], then: Problem | None) -> None:
+        """Until the GPU has done `running` (a Problem's peers and final round), ask for the first
+        trials of `then` and compile them, queueing the compiled ones behind it: the GPU goes on to
+        them at once. Asked afterwards, their asks and compiles left the GPU idle 1-1.4 s after
+        each final round (2 x H200, 2026-11-26)."""
+        asks = None
+        if then is not None:
+            asks = self._asks[then] = self._asks.get(then) or self._asking(then)
+        while not all(f.done() for f in running):
+            check()
+            if asks is not None and self.flight.short(then):
+                if self._ask(then, asks):
+                    self._collect(then, None)
+                    continue
+                asks = None  # none left to ask for
+            concurrent.futures.wait(
+                [*running, *self.flight.futures()], SLICE_S, concurrent.futures.FIRST_COMPLETED
+            )
+            self._collect(then, None)
+
+    def _finish(self, study, problem, family, start, then) -> Outcome:
         trials = study.get_trials(deepcopy=False)
         evaluated = [t for t in trials if studies.evaluated(t)]
         failed = sum(1 for t in evaluated if t.state == optuna.trial.TrialState.FAIL)
         complete = [t for t in evaluated if t.state == optuna.trial.TrialState.COMPLETE]
+        peers = None
+        if self._peer(study, problem) is None:  # nobody timed them: this process does, now
+            payload = self._payload(problem, None, self.options.seed)
+            peers = self._timing.submit(self._on_gpu, "peers", problem, peers_task, payload)
+        finalists = self._final_round(problem, complete) if complete else []
+        self._search_ahead([*([peers] if peers else []), *(f for _, f in finalists)], then)
+        if peers is not None:
+            self._peer_measured(study, problem, peers.result())
+        peer = self._peer(study, problem) or {}
         if not complete:
             return Outcome(
                 problem, self.gpu, None, None, len(evaluated), failed, None, time.monotonic() - start
             )
-        best, ms = self._final_round(problem, complete)
+        retimed = [(f.result()["ms"], t.number, t) for t, f in finalists if f.result()["status"] == "ok"]
+        if retimed:
+            ms, _, best = min(retimed)
+        else:  # one trial completed, off a GPU, or the final round failed: the search's time stands
+            best = min(complete, key=lambda t: (t.value, t.number))
+            ms = best.value
+        ms = float(ms)
         found_at = 1 + sorted(t.number for t in evaluated).index(best.number)
         variant = family.variant_type.from_json(best.user_attrs["variant"])
         unit, work = family.measure(problem)

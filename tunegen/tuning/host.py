@@ -40,6 +40,9 @@ from tunegen.tuning.zygote import Zygote, usable
 
 # A rank that dies more often than this on one GPU stops the run (its GPU is likely unusable).
 MAX_RESTARTS = 3
+# The Problems whose peers a rank times first, while its first compiles run: each takes the GPU
+# 0.6-1 s, the first compiles 1-2 s after the warm-up (2 x H200, 2026-11-26).
+FIRST_PEERS = 2
 POLL_S = 0.5
 
 
@@ -80,6 +83,8 @@ def _rank_main(
         with raising(), Tuner(rank.gpu, options, times_peers=peers.__contains__, zygote=zygote) as tuner:
 
             def checkpoint(searched: int | None, more: bool) -> str:
+                # the Problem searched next, whose first trials compile during any final round
+                then = problems[searched + 1] if searched is not None and more else None
                 conn.send(("spans", tuner.timeline.take()))
                 conn.send(("ready", searched, more))
                 while True:
@@ -89,10 +94,11 @@ def _rank_main(
                         conn.send(("spans", tuner.timeline.take()))
                         return kind
                     (j,) = args
-                    conn.send(("outcome", j, tuner.finalize(problems[j])))
+                    conn.send(("outcome", j, tuner.finalize(problems[j], then=then)))
                     conn.send(("spans", tuner.timeline.take()))
                     conn.send(("ready", None, more))
 
+            tuner.time_peers_first([p for p in problems[start:] if p in peers][:FIRST_PEERS])
             for i in range(start, len(problems)):
                 conn.send(("start", i))
                 then = problems[i + 1] if i + 1 < len(problems) else None

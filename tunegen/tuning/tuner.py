@@ -84,9 +84,10 @@ class Tuner(FinalRound):
         # The workers start (the timing worker's CUDA context, spawned ones their imports) while
         # the database opens.
         try:
-            self.store = open_store(self.url)
-            self.storage = studies.storage(self.url, options.heartbeat_s, options.grace_s)
-            self.heartbeat = studies.Heartbeat(self.storage, options.heartbeat_s)
+            with self.timeline.span(TUNER, "opening the database"):
+                self.store = open_store(self.url)
+                self.storage = studies.storage(self.url, options.heartbeat_s, options.grace_s)
+                self.heartbeat = studies.Heartbeat(self.storage, options.heartbeat_s)
         except BaseException:
             self._stop_workers(abandon=True)
             raise
@@ -100,13 +101,14 @@ class Tuner(FinalRound):
         self._reported = 0.0  # when progress was last read for a report
 
     def close(self, *, abandon: bool = False, failed: bool = False) -> None:
-        """Stop the workers and the heartbeat, close the store. With `abandon` (this process stops
-        early: interrupted, or `failed`), work in flight is cut short, not awaited, and the trials
-        this process holds are failed and their Variants queued again at once, as the heartbeat
-        would do `grace_s` after a killed process's last beat (a failure, which a Variant may
-        cause, counting against their retries)."""
+        """Stop the workers and the heartbeat, close the storage and the store. With `abandon` (this
+        process stops early: interrupted, or `failed`), work in flight is cut short, not awaited,
+        and the trials it holds are failed and their Variants queued again at once, as the
+        heartbeat would do `grace_s` after a killed process's last beat (a failure, which a
+        Variant may cause, counting against their retries)."""
         self._stop_workers(abandon=abandon)
         self.heartbeat.close(abandon=abandon, counted=failed)
+        self.storage.engine.dispose()  # its connections closed: SQLite folds its log back in now
         self.store.close()
 
     def _stop_workers(self, *, abandon: bool) -> None:
@@ -171,7 +173,7 @@ class Tuner(FinalRound):
         the Problem tuned next, see `search`)."""
         start = time.monotonic()
         self.search(problem, progress, then)
-        return self.finalize(problem, progress, start=start)
+        return self.finalize(problem, progress, start=start, then=then)
 
     def search(
         self,
@@ -207,15 +209,16 @@ class Tuner(FinalRound):
 
     def _asking(self, problem: Problem) -> Asks:
         family = get(problem.family)
-        return Asks(
-            study=self._study(problem),
-            family=family,
-            space=family.search_space(problem, self.gpu),
-            failures=self.store.failures(
-                self.record, problem.family, problem.as_dict(), self.gpu.triton_version
-            ),
-            start=time.monotonic(),
-        )
+        with self.timeline.span(TUNER, "opening the study", problem_label(problem)):
+            return Asks(
+                study=self._study(problem),
+                family=family,
+                space=family.search_space(problem, self.gpu),
+                failures=self.store.failures(
+                    self.record, problem.family, problem.as_dict(), self.gpu.triton_version
+                ),
+                start=time.monotonic(),
+            )
 
     def _can_ask(self, problem: Problem, asks: Asks) -> bool:
         """Whether `problem` has trials left to ask for: none of its limits reached, and fewer

@@ -1,0 +1,118 @@
+"""Work a tuning process moves ahead so that its GPU does not wait: the next Problem's first trials
+asked for and compiled while a final round runs, a rank's first peers timed while its first
+compiles run; and the command's exit, which skips the interpreter's teardown."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import NEEDS_INTERPRETER
+
+from helpers import assert_each_variant_evaluated_once, tiny_problems
+from tunegen.kernels.gpu import interpreter_gpu
+from tunegen.tuning.timeline import problem_label
+from tunegen.tuning.tuner import TuneOptions, Tuner
+
+GPU = interpreter_gpu()
+PROBLEMS = tiny_problems()
+# How long the stand-in final round holds the GPU: longer than an interpreted compile.
+FINAL_S = 4.0
+
+
+def _slow_final_round(tuner: Tuner, spans: list):
+    """A final round as on a GPU (the interpreter has none): the fastest trial re-timed on the
+    timing thread, holding it FINAL_S, at a time of 1 ms so that its result shows in the Winner."""
+
+    def final_round(problem, complete):
+        best = min(complete, key=lambda t: (t.value, t.number))
+
+        def on_gpu():
+            start = time.time()
+            time.sleep(FINAL_S)
+            spans.append((start, time.time()))
+            return {"status": "ok", "ms": 1.0}
+
+        return [(best, tuner._timing.submit(on_gpu))]
+
+    return final_round
+
+
+@NEEDS_INTERPRETER
+def test_the_next_problem_is_asked_for_and_compiles_while_a_final_round_runs(tmp_path, monkeypatch):
+    """While a Problem's final round holds the GPU, the Problem searched next (`then`) is asked for
+    and compiled, and its compiled trials are queued behind the final round; the Winner takes the
+    final round's time; the next search loses and repeats nothing (asked afterwards, the asks and
+    compiles left the GPU idle 1-1.4 s after each final round on 2 x H200)."""
+    url = f"sqlite:///{tmp_path / 'final.db'}"
+    options = TuneOptions(trials=3, workers=2, url=url, trial_timeout=300)
+    final_spans: list = []
+    with Tuner(GPU, options) as tuner:
+        tuner.search(PROBLEMS[0])
+        tuner.timeline.take()
+        monkeypatch.setattr(tuner, "_final_round", _slow_final_round(tuner, final_spans))
+        outcome = tuner.finalize(PROBLEMS[0], then=PROBLEMS[1])
+        spans = tuner.timeline.take()
+        queued = [p.problem for p in tuner.flight.timing.values()]
+        second = tuner.tune(PROBLEMS[1])
+    assert outcome.winner is not None and outcome.winner.median_ms == 1.0, "the final round's time"
+    (final_start, final_end) = final_spans[0]
+    label = problem_label(PROBLEMS[1])
+    asked = [s for s in spans if s.lane == "sampler" and s.problem == label]
+    compiled = [s for s in spans if s.lane.startswith("compile") and s.problem == label]
+    assert asked and all(final_start <= s.start < final_end for s in asked), "asked during the final round"
+    assert any(s.end < final_end for s in compiled), "compiled during the final round"
+    timed = [s for s in spans if s.lane == "gpu" and s.problem == label]
+    assert queued or timed, "the compiled trials were queued on the GPU"
+    assert second.winner is not None
+    assert_each_variant_evaluated_once(url, GPU, PROBLEMS[1], 3)
+
+
+@NEEDS_INTERPRETER
+def test_without_a_next_problem_a_final_round_asks_for_nothing(tmp_path, monkeypatch):
+    url = f"sqlite:///{tmp_path / 'last.db'}"
+    options = TuneOptions(trials=2, workers=1, url=url, trial_timeout=300)
+    with Tuner(GPU, options) as tuner:
+        tuner.search(PROBLEMS[0])
+        tuner.timeline.take()
+        monkeypatch.setattr(tuner, "_final_round", _slow_final_round(tuner, []))
+        assert tuner.finalize(PROBLEMS[0]).winner is not None
+        spans = tuner.timeline.take()
+        assert not [s for s in spans if s.lane == "sampler"] and not tuner.flight.futures()
+
+
+@NEEDS_INTERPRETER
+def test_a_rank_times_its_first_peers_before_any_trial(tmp_path):
+    """The peers of the first Problems a rank times are queued at once, ahead of any trial (the
+    GPU would otherwise wait for the first compiles), and each is timed once."""
+    url = f"sqlite:///{tmp_path / 'peers.db'}"
+    options = TuneOptions(trials=2, workers=2, url=url, trial_timeout=300)
+    with Tuner(GPU, options) as tuner:
+        tuner.time_peers_first(PROBLEMS)
+        tuner.tune(PROBLEMS[0], then=PROBLEMS[1])
+        tuner.tune(PROBLEMS[1])
+        spans = tuner.timeline.take()
+    work = sorted((s for s in spans if s.lane == "gpu" and s.name != "warm-up"), key=lambda s: s.start)
+    assert [(s.name, s.problem) for s in work[:2]] == [("peers", problem_label(p)) for p in PROBLEMS]
+    assert sum(s.name == "peers" for s in work) == 2, "timed once each"
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_the_command_exits_with_its_code_its_output_flushed_and_its_exit_handlers_run(tmp_path, code):
+    """`run` skips the interpreter's teardown, not what the program asked for at its exit."""
+    marker = tmp_path / "handler_ran"
+    script = (
+        "import atexit, sys\n"
+        "from tunegen.cli import main as cli\n"
+        f"atexit.register(lambda: open({str(marker)!r}, 'w').write('yes'))\n"
+        "sys.stdout.write('unflushed output')\n"
+        f"cli.main = lambda: sys.exit({code})\n"
+        "cli.run()\n"
+        "print('not reached')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == code, done.stderr
+    assert done.stdout == "unflushed output"
+    assert marker.read_text() == "yes"
