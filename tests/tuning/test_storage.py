@@ -129,10 +129,10 @@ def test_a_snapshot_reads_the_trials_once_for_its_thread_only(shared, monkeypatc
     queried = _queries(monkeypatch, storage)
     with storage.snapshot():
         for _ in range(5):
-            trials = study.get_trials(deepcopy=False)
-            assert [t.number for t in trials] == [0, 1, 2]
-            assert "scribbled" not in trials[0].user_attrs, "each read hands out its own copies"
-            trials[0].user_attrs["scribbled"] = True  # Optuna's cache's own: a caller must not
+            assert [t.number for t in study.get_trials(deepcopy=False)] == [0, 1, 2]
+            trials = study.get_trials()  # copies, as Optuna makes them outside a snapshot too
+            assert "scribbled" not in trials[0].user_attrs, "a read asking for copies gets its own"
+            trials[0].user_attrs["scribbled"] = True
         assert queried[0] == 1
         elsewhere = threading.Thread(target=study.get_trials)
         elsewhere.start()
@@ -194,3 +194,38 @@ def test_the_ask_path_suggests_from_a_snapshot_what_it_did_from_reads_spread_ove
     searched = _search(tmp_path / "snapshot.db", snapshot=True)
     assert len(searched) == 15 and {s for _, s in searched} <= {TrialState.COMPLETE, TrialState.PRUNED}
     assert searched == _search(tmp_path / "reads.db", snapshot=False)
+
+
+def test_a_run_creates_each_study_once_with_its_default_first_and_its_processes_join_without_the_lock(
+    tmp_path,
+):
+    """The host creates every study of a run before its ranks start (`create_studies`): each once,
+    its first trial the default Variant, however often asked; a rank then joins one by reading
+    only, while another process holds the write lock (creating them together, ranks queued for it
+    0.2-0.7 s at their start)."""
+    from helpers import tiny_problems
+    from tunegen.kernels.families import get
+    from tunegen.kernels.gpu import interpreter_gpu
+    from tunegen.tuning.opening import create_studies, open_study
+    from tunegen.tuning.options import TuneOptions
+
+    path, gpu, problems = tmp_path / "run.db", interpreter_gpu(), tiny_problems()
+    url = f"sqlite:///{path}"
+    studies.prepare(url)
+    options = TuneOptions(url=url)
+    for _ in range(2):
+        create_studies(url, [gpu, gpu], problems, options)
+    storage = studies.storage(url, heartbeat_s=10, grace_s=60)
+    names = sorted(s.study_name for s in optuna.get_all_study_summaries(storage))
+    assert names == sorted(studies.study_name(gpu, p, options.sampler) for p in problems)
+    for problem in problems:
+        study = optuna.load_study(
+            study_name=studies.study_name(gpu, problem, options.sampler), storage=storage
+        )
+        (queued,) = study.get_trials(states=(TrialState.WAITING,))
+        default = get(problem.family).default_variant(problem, gpu).as_dict()
+        assert all(default[knob] == value for knob, value in queued.params.items())
+    joined = []
+    seconds = _while_locked(path, lambda: joined.append(open_study(storage, gpu, problems[0], "tpe", 0)))
+    assert seconds < HOLD_S / 2, "joining waited for the write lock"
+    assert len(joined[0].get_trials(states=(TrialState.WAITING,))) == 1, "joined, not queued again"

@@ -32,6 +32,7 @@ from tunegen.kernels.problem import Problem
 from tunegen.tuning import study as studies
 from tunegen.tuning.final import Outcome
 from tunegen.tuning.interrupt import Interrupted, blocked, check, raising
+from tunegen.tuning.opening import create_studies
 from tunegen.tuning.options import MAX_SEED
 from tunegen.tuning.ranks import Rank, cores
 from tunegen.tuning.timeline import TUNER, WAIT_HOST, Span
@@ -285,6 +286,7 @@ class _Host:
         url = database_url(self.options.url)
         open_store(url).close()
         studies.prepare(url)
+        create_studies(url, dict.fromkeys(s.rank.gpu for s in self.states), self.problems, self.options)
         try:
             for state in self.states:
                 self._start(state)

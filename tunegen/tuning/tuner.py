@@ -35,6 +35,7 @@ from tunegen.tuning import interrupt
 from tunegen.tuning import study as studies
 from tunegen.tuning.final import FinalRound, Outcome
 from tunegen.tuning.flight import FIRST_AHEAD, GPU_QUEUE, Asks, Flight, Pending
+from tunegen.tuning.opening import open_study
 from tunegen.tuning.options import TuneOptions
 from tunegen.tuning.progress import EVERY_S
 from tunegen.tuning.progress import progress as progress_of
@@ -138,30 +139,12 @@ class Tuner(FinalRound):
         }
 
     def _study(self, problem: Problem) -> optuna.Study:
-        """The Problem's shared study, created (its first trial the default Variant, so a Winner
-        is never slower than what dispatch would run untuned) or joined."""
-        if problem in self._studies:
-            return self._studies[problem]
-        family = get(problem.family)
-        space = family.search_space(problem, self.gpu)
-        optuna.logging.set_verbosity(optuna.logging.WARNING)
-        name = studies.study_name(self.gpu, problem, self.options.sampler)
-        sampler = studies.make_sampler(self.options.sampler, self.options.seed, space)
-        try:
-            study = optuna.create_study(
-                study_name=name, storage=self.storage, sampler=sampler, direction="minimize"
+        """The Problem's shared study, joined or created (opening.py)."""
+        if problem not in self._studies:
+            self._studies[problem] = open_study(
+                self.storage, self.gpu, problem, self.options.sampler, self.options.seed
             )
-        except optuna.exceptions.DuplicatedStudyError:  # another process's, or an earlier run's
-            study = optuna.load_study(study_name=name, storage=self.storage, sampler=sampler)
-        else:  # this process made it: its first trial is the default Variant
-            default = family.default_variant(problem, self.gpu).as_dict()
-            params = choose(
-                family, space, lambda name, values: default[name] if default[name] in values else None
-            )
-            if None not in params.values():
-                study.enqueue_trial(params)
-        self._studies[problem] = study
-        return study
+        return self._studies[problem]
 
     def tune(
         self,
