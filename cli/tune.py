@@ -161,7 +161,9 @@ def tune(
     if not models:
         models = [presets.preset("llama3-8b")]
     _refuse_what_does_not_apply(family, causal, fp8)
+    asked = time.time()
     devices = [] if dry_run else placement.cuda_devices()
+    answered = time.time()
     interpret = not devices
     if interpret and trials > presets.DRY_RUN_TRIALS:
         if _given("trials"):
@@ -242,10 +244,10 @@ def tune(
 
         started = time.time()
         launched = min(timelines.process_start() or started, started)
-        spans: dict[str, list] = {
-            r.name: [timelines.Span(timelines.TUNER, timelines.STARTING, "", launched, started)]
-            for r in ranks
-        }
+        first = [timelines.Span(timelines.TUNER, timelines.STARTING, "", launched, started)]
+        if devices:
+            first.append(timelines.Span(timelines.TUNER, timelines.READING_GPUS, "", asked, answered))
+        spans: dict[str, list] = {r.name: list(first) for r in ranks}
         try:
             outcomes = host.tune_on(
                 todo, ranks, options, report, finished, lambda rank, more: spans[rank].extend(more)

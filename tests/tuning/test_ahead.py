@@ -13,6 +13,7 @@ from conftest import NEEDS_INTERPRETER
 
 from helpers import assert_each_variant_evaluated_once, tiny_problems
 from tunegen.kernels.gpu import interpreter_gpu
+from tunegen.tuning.presets import dry_run, parse_shape, problems
 from tunegen.tuning.timeline import problem_label
 from tunegen.tuning.tuner import TuneOptions, Tuner
 
@@ -53,7 +54,7 @@ def test_the_next_problem_is_asked_for_and_compiles_while_a_final_round_runs(tmp
         tuner.search(PROBLEMS[0])
         tuner.timeline.take()
         monkeypatch.setattr(tuner, "_final_round", _slow_final_round(tuner, final_spans))
-        outcome = tuner.finalize(PROBLEMS[0], then=PROBLEMS[1])
+        outcome = tuner.finalize(PROBLEMS[0], later=[PROBLEMS[1]])
         spans = tuner.timeline.take()
         queued = [p.problem for p in tuner.flight.timing.values()]
         second = tuner.tune(PROBLEMS[1])
@@ -68,6 +69,25 @@ def test_the_next_problem_is_asked_for_and_compiles_while_a_final_round_runs(tmp
     assert queued or timed, "the compiled trials were queued on the GPU"
     assert second.winner is not None
     assert_each_variant_evaluated_once(url, GPU, PROBLEMS[1], 3)
+
+
+@NEEDS_INTERPRETER
+def test_a_final_round_asks_for_the_problem_after_one_that_others_have_taken_whole(tmp_path, monkeypatch):
+    """Another process may have taken the next Problem's last trials: the final round then asks
+    for the one after it (on 2 x H200 the GPU otherwise waited 1 s after such a final round)."""
+    url = f"sqlite:///{tmp_path / 'after.db'}"
+    options = TuneOptions(trials=2, workers=2, url=url, trial_timeout=300)
+    third = dry_run(problems([parse_shape("4,2,32")], causal=(True,), seqlens=(1024,))[0])
+    with Tuner(GPU, options) as tuner:
+        tuner.tune(PROBLEMS[1])  # every trial of the next Problem taken
+        tuner.search(PROBLEMS[0])
+        tuner.timeline.take()
+        monkeypatch.setattr(tuner, "_final_round", _slow_final_round(tuner, []))
+        tuner.finalize(PROBLEMS[0], later=[PROBLEMS[1], third])
+        asked = {s.problem for s in tuner.timeline.take() if s.lane == "sampler"}
+        assert asked == {problem_label(third)}
+        tuner.tune(third)
+    assert_each_variant_evaluated_once(url, GPU, third, 2)
 
 
 @NEEDS_INTERPRETER
@@ -91,7 +111,7 @@ def test_a_rank_times_its_first_peers_before_any_trial(tmp_path):
     options = TuneOptions(trials=2, workers=2, url=url, trial_timeout=300)
     with Tuner(GPU, options) as tuner:
         tuner.time_peers_first(PROBLEMS)
-        tuner.tune(PROBLEMS[0], then=PROBLEMS[1])
+        tuner.tune(PROBLEMS[0], later=[PROBLEMS[1]])
         tuner.tune(PROBLEMS[1])
         spans = tuner.timeline.take()
     work = sorted((s for s in spans if s.lane == "gpu" and s.name != "warm-up"), key=lambda s: s.start)

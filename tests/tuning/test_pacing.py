@@ -185,13 +185,13 @@ def test_an_ask_reads_the_study_once_up_to_its_claim_and_once_after(tmp_path, mo
 
 @NEEDS_INTERPRETER
 def test_the_next_problem_compiles_while_one_finishes_and_loses_no_trial(tmp_path):
-    """tune(p0, then=p1) may start p1's first trials while p0's last are timed (when is checked
+    """tune(p0, later=[p1]) may start p1's first trials while p0's last are timed (when is checked
     apart: test_asks_for_the_next_problem_never_hold_its_compiled_trials_off_the_gpu); tune(p1)
     times them: every p1 Variant is evaluated once and nothing stays running."""
     url = f"sqlite:///{tmp_path / 'ahead.db'}"
     options = TuneOptions(trials=3, workers=2, url=url, trial_timeout=300)
     with Tuner(GPU, options) as tuner:
-        first = tuner.tune(PROBLEMS[0], then=PROBLEMS[1])
+        first = tuner.tune(PROBLEMS[0], later=[PROBLEMS[1]])
         second = tuner.tune(PROBLEMS[1])
         spans = tuner.timeline.take()
     assert first.winner is not None and second.winner is not None
@@ -224,7 +224,7 @@ def test_asks_for_the_next_problem_never_hold_its_compiled_trials_off_the_gpu(tm
         held = concurrent.futures.Future()  # p0's last compile, still running
         tuner.flight.compiling[held] = Pending(PROBLEMS[0], None, None, {})
         tuner.flight.ready[PROBLEMS[1]] = deque([Pending(PROBLEMS[1], None, None, {})])  # compiled
-        assert tuner._fill(PROBLEMS[0], PROBLEMS[1], None) is False
+        assert tuner._fill(PROBLEMS[0], [PROBLEMS[1]], None) is False
         p0, p1 = PROBLEMS[:2]
         assert events == [("ask", p0), ("ask", p1), ("gpu", p1), ("ask", p1), ("ask", p1)], (
             "p1's compiled trial queued on the GPU after the first ask, not after the row of them"
@@ -232,7 +232,7 @@ def test_asks_for_the_next_problem_never_hold_its_compiled_trials_off_the_gpu(tm
         del tuner.flight.compiling[held]
         events.clear()
         answers = iter([False])
-        assert tuner._fill(PROBLEMS[0], PROBLEMS[1], None) is False
+        assert tuner._fill(PROBLEMS[0], [PROBLEMS[1]], None) is False
         assert events == [("ask", p0)], "p0 holds nothing: no ask for p1 here"
 
 
@@ -271,7 +271,7 @@ def test_a_rank_that_times_another_problems_peers_times_them_while_its_first_tri
     url = f"sqlite:///{tmp_path / 'peers.db'}"
     options = TuneOptions(trials=3, workers=2, url=url, trial_timeout=300)
     with Tuner(GPU, options, times_peers=PROBLEMS[1].__eq__) as tuner:
-        tuner.tune(PROBLEMS[0], then=PROBLEMS[1])
+        tuner.tune(PROBLEMS[0], later=[PROBLEMS[1]])
         tuner.tune(PROBLEMS[1])
         spans = tuner.timeline.take()
     work = sorted((s for s in spans if s.lane == "gpu" and s.name != "warm-up"), key=lambda s: s.start)
@@ -296,7 +296,7 @@ def test_the_gpu_times_the_next_problem_while_the_last_compiles_finish(tmp_path,
     url = f"sqlite:///{tmp_path / 'tail.db'}"
     options = TuneOptions(trials=3, workers=2, url=url, trial_timeout=300)
     with Tuner(GPU, options) as tuner:
-        tuner.tune(PROBLEMS[0], then=PROBLEMS[1])
+        tuner.tune(PROBLEMS[0], later=[PROBLEMS[1]])
         spans = tuner.timeline.take()
         tuner.tune(PROBLEMS[1])
     labels = [problem_label(p) for p in PROBLEMS]

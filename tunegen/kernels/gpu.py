@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import re
+from pathlib import Path
 
 import torch
 import triton
@@ -135,12 +137,25 @@ def gpu_of(device: torch.device) -> Gpu:
     return interpreter_gpu()
 
 
+# What the NVIDIA kernel module says of itself on Linux: "NVRM version: NVIDIA UNIX ... Kernel
+# Module [for x86_64]  580.82.07  Release Build ...".
+DRIVER_FILE = Path("/proc/driver/nvidia/version")
+
+
 @functools.cache
 def driver_version() -> str:
-    """The NVIDIA driver's version, from nvidia-smi where it is installed (else empty)."""
+    """The NVIDIA driver's version: the kernel module's own line where Linux shows it, else from
+    nvidia-smi where it is installed (which takes seconds on a host whose GPUs sleep between
+    programs), else empty."""
     import shutil
     import subprocess
 
+    try:
+        found = re.search(r"Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)", DRIVER_FILE.read_text())
+    except OSError:
+        found = None
+    if found:
+        return found.group(1)
     if shutil.which("nvidia-smi") is None:
         return ""
     try:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import optuna
@@ -57,20 +57,20 @@ class FinalRound:
         progress: Callable[[dict[str, Any]], None] | None = None,
         *,
         start: float | None = None,
-        then: Problem | None = None,
+        later: Sequence[Problem] = (),
     ) -> Outcome:
         """Wait for the trials other processes hold on `problem` (a dead holder's are failed and
         their Variants evaluated here), then re-time the fastest few and record the Winner, with
         the best peer's time on the same Problem. Trials compiled meanwhile (the next Problem's)
-        are timed first (`_time_compiled`), and while the final round runs the first trials of
-        `then` (the Problem this process searches next) are asked for and compile
+        are timed first (`_time_compiled`), and while the final round runs, trials of `later` (the
+        Problems this process searches next, in order) are asked for and compile
         (`_search_ahead`): the Outcome's wall time includes them."""
         start = time.monotonic() if start is None else start
         study = self._study(problem)
         self._time_compiled()
         self._settle(study, problem, progress)
         self._time_compiled()
-        return self._finish(study, problem, get(problem.family), start, then)
+        return self._finish(study, problem, get(problem.family), start, later)
 
     def _time_compiled(self) -> None:
         """Queue on the GPU the trials compiled meanwhile (the next Problem's), all of them past
@@ -153,27 +153,29 @@ class FinalRound:
             timed.append((trial, future))
         return timed
 
-    def _search_ahead(self, running: list[concurrent.futures.Future], then: Problem | None) -> None:
-        """Until the GPU has done `running` (a Problem's peers and final round), ask for the first
-        trials of `then` and compile them, queueing the compiled ones behind it: the GPU goes on to
-        them at once. Asked afterwards, their asks and compiles left the GPU idle 1-1.4 s after
-        each final round (2 x H200, 2026-11-26)."""
-        asks = None
-        if then is not None:
-            asks = self._asks[then] = self._asks.get(then) or self._asking(then)
+    def _search_ahead(self, running: list[concurrent.futures.Future], later: Sequence[Problem]) -> None:
+        """Until the GPU has done `running` (a Problem's peers and final round), ask for trials of
+        the first of `later` with any left to ask for (other processes may have taken the next
+        one's last) and compile them, queueing the compiled ones behind it: the GPU goes on to them
+        at once. Asked afterwards, their asks and compiles left the GPU idle 1-1.4 s after each
+        final round (2 x H200, 2026-11-26)."""
+        left = list(later)
         while not all(f.done() for f in running):
             check()
-            if asks is not None and self.flight.short(then):
-                if self._ask(then, asks):
-                    self._collect(then, None)
+            if left and self.flight.short(left[0]):
+                asks = self._asks[left[0]] = self._asks.get(left[0]) or self._asking(left[0])
+                if not self._ask(left[0], asks):
+                    left.pop(0)  # none left of it: the one after
                     continue
-                asks = None  # none left to ask for
-            concurrent.futures.wait(
-                [*running, *self.flight.futures()], SLICE_S, concurrent.futures.FIRST_COMPLETED
-            )
-            self._collect(then, None)
+            else:
+                concurrent.futures.wait(
+                    [*running, *self.flight.futures()], SLICE_S, concurrent.futures.FIRST_COMPLETED
+                )
+            self._take({f for f in self.flight.futures() if f.done()}, None, None)
+            if later:
+                self._dispatch(later[0], later[1:])
 
-    def _finish(self, study, problem, family, start, then) -> Outcome:
+    def _finish(self, study, problem, family, start, later) -> Outcome:
         trials = study.get_trials(deepcopy=False)
         evaluated = [t for t in trials if studies.evaluated(t)]
         failed = sum(1 for t in evaluated if t.state == optuna.trial.TrialState.FAIL)
@@ -183,7 +185,7 @@ class FinalRound:
             payload = self._payload(problem, None, self.options.seed)
             peers = self._timing.submit(self._on_gpu, "peers", problem, peers_task, payload)
         finalists = self._final_round(problem, complete) if complete else []
-        self._search_ahead([*([peers] if peers else []), *(f for _, f in finalists)], then)
+        self._search_ahead([*([peers] if peers else []), *(f for _, f in finalists)], later)
         if peers is not None:
             self._peer_measured(study, problem, peers.result())
         peer = self._peer(study, problem) or {}

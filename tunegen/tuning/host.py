@@ -84,8 +84,8 @@ def _rank_main(
         with raising(), Tuner(rank.gpu, options, times_peers=peers.__contains__, zygote=zygote) as tuner:
 
             def checkpoint(searched: int | None, more: bool) -> str:
-                # the Problem searched next, whose first trials compile during any final round
-                then = problems[searched + 1] if searched is not None and more else None
+                # the Problems searched next, whose trials compile during any final round
+                later = problems[searched + 1 :] if searched is not None else []
                 conn.send(("spans", tuner.timeline.take()))
                 conn.send(("ready", searched, more))
                 while True:
@@ -95,15 +95,16 @@ def _rank_main(
                         conn.send(("spans", tuner.timeline.take()))
                         return kind
                     (j,) = args
-                    conn.send(("outcome", j, tuner.finalize(problems[j], then=then)))
+                    conn.send(("outcome", j, tuner.finalize(problems[j], later=later)))
                     conn.send(("spans", tuner.timeline.take()))
                     conn.send(("ready", None, more))
 
             tuner.time_peers_first([p for p in problems[start:] if p in peers][:FIRST_PEERS])
             for i in range(start, len(problems)):
                 conn.send(("start", i))
-                then = problems[i + 1] if i + 1 < len(problems) else None
-                tuner.search(problems[i], lambda state, i=i: conn.send(("progress", i, state)), then)
+                tuner.search(
+                    problems[i], lambda state, i=i: conn.send(("progress", i, state)), problems[i + 1 :]
+                )
                 if checkpoint(i, i + 1 < len(problems)) == "stop":
                     return
             if start >= len(problems):
@@ -360,8 +361,7 @@ def tune_on(
         outcomes = {}
         with Tuner(gpu, dataclasses.replace(options, cpus=cores(0, 1))) as tuner:
             for j, problem in enumerate(problems):
-                then = problems[j + 1] if j + 1 < len(problems) else None
-                outcome = tuner.tune(problem, lambda state, j=j: progress(gpu, j, state), then)
+                outcome = tuner.tune(problem, lambda state, j=j: progress(gpu, j, state), problems[j + 1 :])
                 outcomes[(gpu, j)] = outcome
                 record(ranks[0].name, tuner.timeline.take())
                 finished(gpu, j, outcome)

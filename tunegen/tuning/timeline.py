@@ -29,8 +29,10 @@ COMPILE = "compile"
 # Tuner-lane span names that are waits, not work (the summary adds them up).
 WAIT_OTHERS = "waiting for other processes' trials"
 WAIT_HOST = "waiting for the other GPUs to finish"
-# The tuner-lane span from the command's start (its imports, the host's devices) to the ranks'.
+# The tuner-lane span from the command's start (its imports, the host's devices) to the ranks',
+# and within it the host's CUDA devices being read (the driver wakes GPUs left idle: seconds).
 STARTING = "starting the command"
+READING_GPUS = "reading the host's GPUs"
 
 
 @dataclasses.dataclass(frozen=True)

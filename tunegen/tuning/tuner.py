@@ -19,7 +19,7 @@ import socket
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import optuna
@@ -150,30 +150,31 @@ class Tuner(FinalRound):
         self,
         problem: Problem,
         progress: Callable[[dict[str, Any]], None] | None = None,
-        then: Problem | None = None,
+        later: Sequence[Problem] = (),
     ) -> Outcome:
-        """Search `problem`'s Variants, then record the fastest verified one as the Winner (`then`:
-        the Problem tuned next, see `search`)."""
+        """Search `problem`'s Variants, then record the fastest verified one as the Winner (`later`:
+        the Problems tuned after it, in order, see `search`)."""
         start = time.monotonic()
-        self.search(problem, progress, then)
-        return self.finalize(problem, progress, start=start, then=then)
+        self.search(problem, progress, later)
+        return self.finalize(problem, progress, start=start, later=later)
 
     def search(
         self,
         problem: Problem,
         progress: Callable[[dict[str, Any]], None] | None = None,
-        then: Problem | None = None,
+        later: Sequence[Problem] = (),
     ) -> None:
         """Evaluate trials of `problem` until `trials` are evaluated or held (by any process
         sharing the study), the time limit passes, or the space runs out. Once `problem` has no
-        trial left to ask for, the workers compile the first trials of `then` (the Problem searched
-        next) and the GPU times them while `problem`'s last compiles finish: neither waits."""
+        trial left to ask for, the workers compile the first trials of the next of `later` (the
+        Problems searched after it, in order) that has any left, and the GPU times them while
+        `problem`'s last compiles finish: neither waits."""
         asks = self._asks.get(problem) or self._asking(problem)
         self._asks[problem] = asks
         if progress is not None:  # trials timed while the Problem before it finished count too
             progress(self._progress(asks.study, problem))
         studies.fail_stale(asks.study, self.options.grace_s)
-        self._peers_first(problem, then)
+        self._peers_first(problem, later[0] if later else None)
         swept = time.monotonic()
         try:
             while True:
@@ -182,8 +183,8 @@ class Tuner(FinalRound):
                     studies.fail_stale(asks.study, self.options.grace_s)
                     swept = time.monotonic()
                 self._dispatch(problem)
-                more = self._fill(problem, then, progress)
-                self._dispatch(problem, None if more or not self.flight.holds(problem) else then)
+                more = self._fill(problem, later, progress)
+                self._dispatch(problem, () if more or not self.flight.holds(problem) else later)
                 if not more and not self.flight.holds(problem) and not self.flight.timing:
                     return  # nothing of the next Problem is timed ahead of the final round
                 self._take(self._wait(), problem, progress)
@@ -215,10 +216,11 @@ class Tuner(FinalRound):
             asks.more = False
         return asks.more and studies.claimed(study) < opts.trials
 
-    def _fill(self, problem: Problem, then: Problem | None, progress) -> bool:
-        """Ask for trials and start compiling them, `problem`'s first, then `then`'s, while the GPU
-        is short of them (Flight.short); whether `problem` has trials left to ask. After
-        each ask (tens of ms) the GPU's queue is refilled: a compiled trial never waits for the asks."""
+    def _fill(self, problem: Problem, later: Sequence[Problem], progress) -> bool:
+        """Ask for trials and start compiling them, `problem`'s first, then those of `later`, in
+        order, while the GPU is short of them (Flight.short); whether `problem` has trials left to
+        ask. After each ask (tens of ms) the GPU's queue is refilled: a compiled trial never waits
+        for the asks. Another process may have taken a later Problem's last trials: then the next."""
         asks = self._asks[problem]
         while self.flight.short(problem):
             if not self._ask(problem, asks):
@@ -226,19 +228,20 @@ class Tuner(FinalRound):
             self._collect(problem, progress)
         else:
             return True
-        if then is not None:
-            ahead = self._asks.get(then) or self._asking(then)
-            self._asks[then] = ahead
-            # Only while `problem` holds trials: then `then`'s compiled ones take the GPU between
-            # the asks, and once it holds none, `search(then)` asks on (the asks here, 50-90 ms
-            # each, held the GPU idle 1-2 s at each Problem's end, 2 x H200, 2026-11-26).
+        # Only while `problem` holds trials: then the later ones' compiled trials take the GPU
+        # between the asks, and once it holds none, the next search asks on (the asks here, 50-90
+        # ms each, held the GPU idle 1-2 s at each Problem's end, 2 x H200, 2026-11-26).
+        for then in later:
+            if not (self.flight.short() and self.flight.holds(problem)):
+                break
+            ahead = self._asks[then] = self._asks.get(then) or self._asking(then)
             while self.flight.short() and self.flight.holds(problem) and self._ask(then, ahead):
-                self._collect(problem, progress, then)
+                self._collect(problem, progress, later)
         return False
 
-    def _collect(self, problem: Problem, progress, then: Problem | None = None) -> None:
+    def _collect(self, problem: Problem, progress, later: Sequence[Problem] = ()) -> None:
         self._take({f for f in self.flight.futures() if f.done()}, problem, progress)
-        self._dispatch(problem, then)
+        self._dispatch(problem, later)
 
     def _ask(self, problem: Problem, asks: Asks) -> bool:
         """One trial from the sampler, screened (pruned with the reason) or sent to compile; False
@@ -283,10 +286,10 @@ class Tuner(FinalRound):
             if done:
                 return done
 
-    def _dispatch(self, problem: Problem, then: Problem | None = None) -> None:
-        """Queue `problem`'s compiled trials on the GPU, up to its queue's length; then `then`'s,
-        given where `problem` asks for no more and its last compiles would leave the GPU idle."""
-        for each in (problem, then) if then is not None else (problem,):
+    def _dispatch(self, problem: Problem, later: Sequence[Problem] = ()) -> None:
+        """Queue `problem`'s compiled trials on the GPU, up to its queue's length; then those of
+        `later`, given where `problem` asks for no more and its last compiles would leave it idle."""
+        for each in (problem, *later):
             ready = self.flight.ready.get(each)
             while ready and len(self.flight.timing) < GPU_QUEUE:
                 self._on_gpu_queue(ready.popleft())
