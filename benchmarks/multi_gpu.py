@@ -7,6 +7,9 @@ check against float64 on fresh inputs. Writes JSON and a markdown summary; print
 
     python3 multi_gpu.py --preset llama3-8b --runs 1,all -o results/multi_gpu_h200x2
     python3 multi_gpu.py --preset llama3-8b --preset qwen2.5-7b --preset gpt2 -o ...  (9 Problems)
+
+`--repeat N` runs the sequence N times, every other time in reverse order, and adds the median of
+each SPEC's walls: a command's start (importing torch) varied by 2 s from run to run on 2 x H200.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -31,9 +35,10 @@ from tunegen.tuning.timing import interleaved_ms
 from tunegen.tuning_db import Store
 
 
-def tune(spec: str, presets: list[str], work: Path, extra: list[str]) -> dict:
-    """One `tunegen tune` run from empty caches: its wall time, database and log."""
-    slug = re.sub(r"[^a-z0-9]+", "_", spec.lower())
+def tune(spec: str, presets: list[str], work: Path, extra: list[str], label: str) -> dict:
+    """One `tunegen tune` run from empty caches (`label`: the run's name among the repeats): its
+    wall time, database and log."""
+    slug = re.sub(r"[^a-z0-9]+", "_", label.lower())
     db = work / f"tune_gpus_{slug}.db"
     db.unlink(missing_ok=True)
     caches = {"TRITON_CACHE_DIR": work / f"triton_{slug}", "TUNEGEN_CACHE_DIR": work / f"kernels_{slug}"}
@@ -61,6 +66,7 @@ def tune(spec: str, presets: list[str], work: Path, extra: list[str]) -> dict:
     print(output[-6000:])
     return {
         "gpus": spec,
+        "label": label,
         "command": " ".join(command),
         "wall_s": wall,
         "exit_s": None if written is None else wall - written,
@@ -87,7 +93,7 @@ def retime(runs: list[dict], seed: int = 7) -> list[dict]:
     for run in runs:
         with Store(f"sqlite:///{run['db']}") as store:
             for w in store.winners():
-                winners.setdefault(json.dumps(w.problem, sort_keys=True), {})[run["gpus"]] = w
+                winners.setdefault(json.dumps(w.problem, sort_keys=True), {})[run["label"]] = w
     rows = []
     for key, by_run in winners.items():
         problem = Problem(**json.loads(key))
@@ -109,7 +115,8 @@ def retime(runs: list[dict], seed: int = 7) -> list[dict]:
 
 
 def summary(runs: list[dict], rows: list[dict] | None, device: str) -> str:
-    base_run = runs[0]
+    first = runs[0]["gpus"]  # each speedup is over this SPEC's run of the same repeat
+    base = {run["repeat"]: run["wall_s"] for run in runs if run["gpus"] == first}
     lines = [
         f"# `tunegen tune --gpus`: {device}",
         "",
@@ -121,11 +128,19 @@ def summary(runs: list[dict], rows: list[dict] | None, device: str) -> str:
     ]
     for run in runs:
         parts = [f"{run[k]:.1f} s" if run.get(k) is not None else "-" for k in ("start_s", "exit_s")]
+        speedup = base[run["repeat"]] / run["wall_s"]
         lines.append(
-            f"| `--gpus {run['gpus']}` | {run['wall_s']:.1f} s | {base_run['wall_s'] / run['wall_s']:.2f}x | "
+            f"| `--gpus {run['label']}` | {run['wall_s']:.1f} s | {speedup:.2f}x | "
             + " | ".join(parts)
             + " |"
         )
+    if len(base) > 1:
+        medians = {
+            spec: statistics.median(r["wall_s"] for r in runs if r["gpus"] == spec)
+            for spec in dict.fromkeys(r["gpus"] for r in runs)
+        }
+        lines += ["", "| run | median wall | its speedup |", "| --- | --- | --- |"]
+        lines += [f"| `--gpus {k}` | {v:.1f} s | {medians[first] / v:.2f}x |" for k, v in medians.items()]
     lines += [
         "",
         "Where each GPU's time went (the runs' own timelines; seconds):",
@@ -138,10 +153,10 @@ def summary(runs: list[dict], rows: list[dict] | None, device: str) -> str:
             kinds = ", ".join(f"{k} {v:.0f}" for k, v in sorted(row["gpu_s_by_kind"].items()))
             waits = ", ".join(f"{k} {v:.0f}" for k, v in row["waits_s"].items() if v >= 0.5) or "-"
             lines.append(
-                f"| `--gpus {run['gpus']}` | {row['gpu']} | {row['wall_s']:.0f} | {row['gpu_busy']:.0%} | "
+                f"| `--gpus {run['label']}` | {row['gpu']} | {row['wall_s']:.0f} | {row['gpu_busy']:.0%} | "
                 f"{kinds} | {row['compile_busy']:.0%} of {row['compile_workers']} | {waits} |"
             )
-    specs = [run["gpus"] for run in runs]
+    specs = [run["label"] for run in runs]
     if rows is None:
         return "\n".join([*lines, "", "Winners not re-timed yet."]) + "\n"
     lines += [
@@ -167,6 +182,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", action="append", help="repeatable (default: llama3-8b)")
     parser.add_argument("--runs", default="1,all", help="--gpus values, ';'-separated if they hold commas")
+    parser.add_argument("--repeat", type=int, default=1, help="run the sequence this many times")
     parser.add_argument("--work", default="/tmp/multi_gpu")
     parser.add_argument("-o", "--output", required=True, help="results path without extension")
     args, extra = parser.parse_known_args()
@@ -176,7 +192,11 @@ def main() -> None:
     # Read tunegen's imports (torch, Triton) from disk once, so that the first run does not pay
     # for a cold page cache that the runs after it find warm.
     subprocess.run(["tunegen", "--help"], capture_output=True, check=True)
-    runs = [tune(spec, args.preset or ["llama3-8b"], work, extra) for spec in specs]
+    runs = []
+    for repeat in range(1, args.repeat + 1):
+        for spec in specs if repeat % 2 else specs[::-1]:  # every other time in reverse order
+            label = spec if args.repeat == 1 else f"{spec} #{repeat}"
+            runs.append({**tune(spec, args.preset or ["llama3-8b"], work, extra, label), "repeat": repeat})
     device = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
