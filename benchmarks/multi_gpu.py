@@ -134,10 +134,11 @@ def summary(runs: list[dict], rows: list[dict] | None, device: str) -> str:
             + " | ".join(parts)
             + " |"
         )
-    if len(base) > 1:
+    ok = [run for run in runs if run["exit_code"] == 0]  # a failed run's wall says nothing
+    if len(base) > 1 and first in {r["gpus"] for r in ok}:
         medians = {
-            spec: statistics.median(r["wall_s"] for r in runs if r["gpus"] == spec)
-            for spec in dict.fromkeys(r["gpus"] for r in runs)
+            spec: statistics.median(r["wall_s"] for r in ok if r["gpus"] == spec)
+            for spec in dict.fromkeys(r["gpus"] for r in ok)
         }
         lines += ["", "| run | median wall | its speedup |", "| --- | --- | --- |"]
         lines += [f"| `--gpus {k}` | {v:.1f} s | {medians[first] / v:.2f}x |" for k, v in medians.items()]
@@ -182,7 +183,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", action="append", help="repeatable (default: llama3-8b)")
     parser.add_argument("--runs", default="1,all", help="--gpus values, ';'-separated if they hold commas")
-    parser.add_argument("--repeat", type=int, default=1, help="run the sequence this many times")
+    parser.add_argument(
+        "--repeat", type=int, choices=range(1, 11), default=1, metavar="N", help="run the sequence N times"
+    )
     parser.add_argument("--work", default="/tmp/multi_gpu")
     parser.add_argument("-o", "--output", required=True, help="results path without extension")
     args, extra = parser.parse_known_args()

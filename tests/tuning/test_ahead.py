@@ -4,6 +4,7 @@ compiles run; and the command's exit, which skips the interpreter's teardown."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import subprocess
 import sys
 import time
@@ -13,6 +14,8 @@ from conftest import NEEDS_INTERPRETER
 
 from helpers import assert_each_variant_evaluated_once, tiny_problems
 from tunegen.kernels.gpu import interpreter_gpu
+from tunegen.tuning import final
+from tunegen.tuning.interrupt import SLICE_S
 from tunegen.tuning.presets import dry_run, parse_shape, problems
 from tunegen.tuning.timeline import problem_label
 from tunegen.tuning.tuner import TuneOptions, Tuner
@@ -43,10 +46,11 @@ def _slow_final_round(tuner: Tuner, spans: list):
 
 @NEEDS_INTERPRETER
 def test_the_next_problem_is_asked_for_and_compiles_while_a_final_round_runs(tmp_path, monkeypatch):
-    """While a Problem's final round holds the GPU, the Problem searched next (`then`) is asked for
-    and compiled, and its compiled trials are queued behind the final round; the Winner takes the
-    final round's time; the next search loses and repeats nothing (asked afterwards, the asks and
-    compiles left the GPU idle 1-1.4 s after each final round on 2 x H200)."""
+    """While a Problem's final round holds the GPU, the Problem searched next (the first of
+    `later`) is asked for and compiled, and its compiled trials are queued on the GPU behind the
+    final round; the Winner takes the final round's time; the next search loses and repeats
+    nothing (asked afterwards, the asks and compiles left the GPU idle 1-1.4 s after each final
+    round on 2 x H200)."""
     url = f"sqlite:///{tmp_path / 'final.db'}"
     options = TuneOptions(trials=3, workers=2, url=url, trial_timeout=300)
     final_spans: list = []
@@ -54,9 +58,15 @@ def test_the_next_problem_is_asked_for_and_compiles_while_a_final_round_runs(tmp
         tuner.search(PROBLEMS[0])
         tuner.timeline.take()
         monkeypatch.setattr(tuner, "_final_round", _slow_final_round(tuner, final_spans))
+        on_gpu_queue, queued = tuner._on_gpu_queue, []
+
+        def queue(pending):
+            queued.append((pending.problem, time.time()))
+            on_gpu_queue(pending)
+
+        monkeypatch.setattr(tuner, "_on_gpu_queue", queue)
         outcome = tuner.finalize(PROBLEMS[0], later=[PROBLEMS[1]])
         spans = tuner.timeline.take()
-        queued = [p.problem for p in tuner.flight.timing.values()]
         second = tuner.tune(PROBLEMS[1])
     assert outcome.winner is not None and outcome.winner.median_ms == 1.0, "the final round's time"
     (final_start, final_end) = final_spans[0]
@@ -65,8 +75,7 @@ def test_the_next_problem_is_asked_for_and_compiles_while_a_final_round_runs(tmp
     compiled = [s for s in spans if s.lane.startswith("compile") and s.problem == label]
     assert asked and all(final_start <= s.start < final_end for s in asked), "asked during the final round"
     assert any(s.end < final_end for s in compiled), "compiled during the final round"
-    timed = [s for s in spans if s.lane == "gpu" and s.problem == label]
-    assert queued or timed, "the compiled trials were queued on the GPU"
+    assert any(p == PROBLEMS[1] and when < final_end for p, when in queued), "queued behind the round"
     assert second.winner is not None
     assert_each_variant_evaluated_once(url, GPU, PROBLEMS[1], 3)
 
@@ -104,6 +113,20 @@ def test_without_a_next_problem_a_final_round_asks_for_nothing(tmp_path, monkeyp
 
 
 @NEEDS_INTERPRETER
+def test_a_final_round_waits_for_its_rest_without_spinning(tmp_path, monkeypatch):
+    """Once the first re-timing of a final round is done, the wait for the others still sleeps
+    between looks (a wait that included the finished one returned at once, 200,000 times a
+    second)."""
+    looks = []
+    monkeypatch.setattr(final, "check", lambda: looks.append(1))
+    options = TuneOptions(trials=2, workers=1, url=f"sqlite:///{tmp_path / 'wait.db'}", trial_timeout=300)
+    with Tuner(GPU, options) as tuner, concurrent.futures.ThreadPoolExecutor(2) as pool:
+        running = [pool.submit(lambda: None), pool.submit(time.sleep, 0.6)]
+        tuner._search_ahead(running, [])
+    assert len(looks) < 0.6 / SLICE_S + 10, len(looks)
+
+
+@NEEDS_INTERPRETER
 def test_a_rank_times_its_first_peers_before_any_trial(tmp_path):
     """The peers of the first Problems a rank times are queued at once, ahead of any trial (the
     GPU would otherwise wait for the first compiles), and each is timed once."""
@@ -119,9 +142,10 @@ def test_a_rank_times_its_first_peers_before_any_trial(tmp_path):
     assert sum(s.name == "peers" for s in work) == 2, "timed once each"
 
 
-@pytest.mark.parametrize("code", [0, 3])
-def test_the_command_exits_with_its_code_its_output_flushed_and_its_exit_handlers_run(tmp_path, code):
-    """`run` skips the interpreter's teardown, not what the program asked for at its exit."""
+@pytest.mark.parametrize(("code", "status"), [(0, 0), (3, 3), (None, 0), ("'stopped'", 1)])
+def test_the_command_exits_with_its_code_its_output_flushed_and_its_exit_handlers_run(tmp_path, code, status):
+    """`run` skips the interpreter's teardown, not what the program asked for at its exit: its
+    status as Python's own exit gives it (a message printed, status 1), output, exit handlers."""
     marker = tmp_path / "handler_ran"
     script = (
         "import atexit, sys\n"
@@ -133,6 +157,7 @@ def test_the_command_exits_with_its_code_its_output_flushed_and_its_exit_handler
         "print('not reached')\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert done.returncode == code, done.stderr
+    assert done.returncode == status, done.stderr
     assert done.stdout == "unflushed output"
     assert marker.read_text() == "yes"
+    assert done.stderr == ("stopped\n" if status == 1 else "")

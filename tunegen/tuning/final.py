@@ -160,16 +160,16 @@ class FinalRound:
         at once. Asked afterwards, their asks and compiles left the GPU idle 1-1.4 s after each
         final round (2 x H200, 2026-11-26)."""
         left = list(later)
-        while not all(f.done() for f in running):
+        while pending := [f for f in running if not f.done()]:
             check()
             if left and self.flight.short(left[0]):
                 asks = self._asks[left[0]] = self._asks.get(left[0]) or self._asking(left[0])
                 if not self._ask(left[0], asks):
                     left.pop(0)  # none left of it: the one after
                     continue
-            else:
+            else:  # what is still running: a finished one would end the wait at once, every time
                 concurrent.futures.wait(
-                    [*running, *self.flight.futures()], SLICE_S, concurrent.futures.FIRST_COMPLETED
+                    [*pending, *self.flight.futures()], SLICE_S, concurrent.futures.FIRST_COMPLETED
                 )
             self._take({f for f in self.flight.futures() if f.done()}, None, None)
             if later:

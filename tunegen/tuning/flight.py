@@ -60,7 +60,8 @@ class Pending:
 @dataclasses.dataclass
 class Asks:
     """Where asking for one Problem's trials stands: its study and space, the Variants that
-    failed before, how many were asked, whether its limits still allow more."""
+    failed before, when this process first asked for its trials (ahead of its search, too: its
+    time limit counts from there), how many were asked, whether its limits still allow more."""
 
     study: optuna.Study
     family: Any

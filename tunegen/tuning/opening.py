@@ -13,6 +13,7 @@ from tunegen.kernels.families.base import choose
 from tunegen.kernels.gpu import Gpu
 from tunegen.kernels.problem import Problem
 from tunegen.tuning import study as studies
+from tunegen.tuning.interrupt import check
 from tunegen.tuning.options import TuneOptions
 
 
@@ -49,6 +50,7 @@ def create_studies(url: str, gpus: Iterable[Gpu], problems: list[Problem], optio
     try:
         for gpu in gpus:
             for problem in problems:
+                check()  # a signal stops this before the ranks are started
                 open_study(storage, gpu, problem, options.sampler, options.seed)
     finally:
         storage.engine.dispose()

@@ -109,7 +109,7 @@ class Tuner(FinalRound):
         Variant may cause, counting against their retries)."""
         self._stop_workers(abandon=abandon)
         self.heartbeat.close(abandon=abandon, counted=failed)
-        self.storage.engine.dispose()  # its connections closed: SQLite folds its log back in now
+        self.storage.engine.dispose()  # with the last connection to it, SQLite folds its log back in
         self.store.close()
 
     def _stop_workers(self, *, abandon: bool) -> None:
