@@ -226,3 +226,26 @@ def test_a_run_creates_each_study_once_with_its_default_first_and_its_processes_
     seconds = _while_locked(path, lambda: joined.append(open_study(storage, gpu, problems[0], "tpe", 0)))
     assert seconds < HOLD_S / 2, "joining waited for the write lock"
     assert len(joined[0].get_trials(states=(TrialState.WAITING,))) == 1, "joined, not queued again"
+
+
+def test_a_timed_trial_never_told_is_not_evaluated_once_failed_as_abandoned(shared):
+    """`conclude` writes a result's attributes, then tells the study: a process killed between the
+    two leaves a running trial marked evaluated, which the heartbeat fails as abandoned. Counted as
+    evaluated, its Variant was ruled out for good ("failed as trial N") though it never failed."""
+    storage, study, _ = shared
+    outcomes = {}
+    for name, attrs, tell in (
+        ("timed", {"evaluated": True, "rel_err": 0.0}, {"values": 1.0}),
+        ("failed", {"evaluated": True, "reason": "wrong: relative error 1"}, {"state": TrialState.FAIL}),
+        ("abandoned", {"evaluated": True, "rel_err": 0.0}, {"state": TrialState.FAIL}),
+    ):
+        trial = studies.ask(study)
+        trial.set_user_attr("variant", name)
+        for key, value in attrs.items():
+            trial.set_user_attr(key, value)
+        study.tell(trial, **tell)
+        outcomes[name] = studies.evaluated(storage.get_trial(trial._trial_id))
+    assert outcomes == {"timed": True, "failed": True, "abandoned": False}
+    fresh = studies.ask(study)
+    fresh.set_user_attr("variant", "abandoned")
+    assert studies.conflict(study, fresh, "abandoned") is None, "its Variant may be evaluated again"

@@ -27,6 +27,10 @@ from tunegen.tuning.trial import evaluate_task, peers_task
 from tunegen.tuning_db import WinnerRecord
 
 FINALISTS = 3
+# The Problems whose peers a process times first where its GPU would otherwise wait for the first
+# compiles: each takes the GPU 0.6-1 s, the first compiles 1-2 s after the warm-up (2 x H200,
+# 2026-11-26).
+FIRST_PEERS = 2
 FINAL_REP_MS = 400.0
 # Rounds of waiting for other processes' trials, then evaluating the queued copies of abandoned ones.
 SETTLE_ROUNDS = 3
@@ -89,23 +93,18 @@ class FinalRound:
             self._peers[problem] = {"name": result["name"], "ms": result["ms"]}
             study.set_user_attr("peer", self._peers[problem])
 
-    def _peers_first(self, problem: Problem, then: Problem | None) -> None:
+    def _peers_first(self, problem: Problem, later: Sequence[Problem]) -> None:
         """Queue `problem`'s peers, the bar to beat, timed while its first Variants compile; and
-        where the GPU has nothing else to time meanwhile (a run's start), `then`'s, rather than
-        leave it idle."""
+        where the GPU has nothing else to time meanwhile (a run's start), those of the next
+        Problems whose peers this process times, FIRST_PEERS in all, which it times later anyway,
+        rather than leave it idle."""
         self._time_peers(problem)
         idle = not self.flight.ready.get(problem) and all(
             p.trial is None for p in self.flight.timing.values()
         )
-        if then is not None and idle:
-            self._time_peers(then)
-
-    def time_peers_first(self, problems: list[Problem]) -> None:
-        """Queue the timing of these Problems' peers on the GPU now, those this process times: a
-        rank's first ones at a run's start, where the GPU would otherwise wait for the first
-        compiles (1-2 s on 2 x H200, 2026-11-26), and times them later anyway."""
-        for problem in problems:
-            self._time_peers(problem)
+        if idle:
+            for each in [p for p in (problem, *later) if self.times_peers(p)][:FIRST_PEERS]:
+                self._time_peers(each)
 
     def _time_peers(self, problem: Problem) -> None:
         """Queue the timing of `problem`'s peers on the GPU, if this process times them and they
@@ -155,25 +154,17 @@ class FinalRound:
 
     def _search_ahead(self, running: list[concurrent.futures.Future], later: Sequence[Problem]) -> None:
         """Until the GPU has done `running` (a Problem's peers and final round), ask for trials of
-        the first of `later` with any left to ask for (other processes may have taken the next
-        one's last) and compile them, queueing the compiled ones behind it: the GPU goes on to them
-        at once. Asked afterwards, their asks and compiles left the GPU idle 1-1.4 s after each
-        final round (2 x H200, 2026-11-26)."""
-        left = list(later)
+        `later` and compile them (`_ask_later`), queueing the compiled ones behind it: the GPU goes
+        on to them at once. Asked afterwards, their asks and compiles left the GPU idle 1-1.4 s
+        after each final round (2 x H200, 2026-11-26)."""
         while pending := [f for f in running if not f.done()]:
             check()
-            if left and self.flight.short(left[0]):
-                asks = self._asks[left[0]] = self._asks.get(left[0]) or self._asking(left[0])
-                if not self._ask(left[0], asks):
-                    left.pop(0)  # none left of it: the one after
-                    continue
-            else:  # what is still running: a finished one would end the wait at once, every time
-                concurrent.futures.wait(
-                    [*pending, *self.flight.futures()], SLICE_S, concurrent.futures.FIRST_COMPLETED
-                )
-            self._take({f for f in self.flight.futures() if f.done()}, None, None)
-            if later:
-                self._dispatch(later[0], later[1:])
+            self._ask_later(None, later, None, lambda: not all(f.done() for f in running))
+            # what is still running: a finished one would end the wait at once, every time
+            concurrent.futures.wait(
+                [*pending, *self.flight.futures()], SLICE_S, concurrent.futures.FIRST_COMPLETED
+            )
+            self._collect(None, None, later)
 
     def _finish(self, study, problem, family, start, later) -> Outcome:
         trials = study.get_trials(deepcopy=False)

@@ -41,10 +41,6 @@ from tunegen.tuning.zygote import Zygote, usable
 
 # A rank that dies more often than this on one GPU stops the run (its GPU is likely unusable).
 MAX_RESTARTS = 3
-# How many of the Problems whose peers a rank times (every so many of the run's) it times at its
-# start, while its first compiles run: each takes the GPU 0.6-1 s, the first compiles 1-2 s after
-# the warm-up (2 x H200, 2026-11-26).
-FIRST_PEERS = 2
 POLL_S = 0.5
 
 
@@ -100,7 +96,6 @@ def _rank_main(
                     conn.send(("spans", tuner.timeline.take()))
                     conn.send(("ready", None, more))
 
-            tuner.time_peers_first([p for p in problems[start:] if p in peers][:FIRST_PEERS])
             for i in range(start, len(problems)):
                 conn.send(("start", i))
                 tuner.search(

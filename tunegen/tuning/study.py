@@ -38,8 +38,7 @@ log = logging.getLogger("tunegen")
 
 
 class _Grid(optuna.samplers.GridSampler):
-    """Optuna's grid without its own stop: Study.stop only works inside optimize(), and the
-    tuner asks and tells, stopping by itself once every grid point was asked."""
+    """Optuna's grid without its own stop (Study.stop works only in optimize(); the tuner stops)."""
 
     def after_trial(self, study: optuna.Study, trial: Any, state: Any, values: Any) -> None:
         return None
@@ -289,8 +288,10 @@ def fail_stale(study: optuna.Study, grace_s: float) -> None:
 
 
 def evaluated(trial: FrozenTrial) -> bool:
-    """Whether the trial's Variant was verified and timed, or failed doing so."""
-    return bool(trial.user_attrs.get("evaluated"))
+    """Whether the trial's Variant was verified and timed, or failed doing so. Not a timed trial
+    its process never told (killed between the two writes of `conclude`): failed as abandoned."""
+    told = trial.state != TrialState.FAIL or "reason" in trial.user_attrs
+    return bool(trial.user_attrs.get("evaluated")) and told
 
 
 def holds_claim(trial: FrozenTrial) -> bool:

@@ -174,7 +174,7 @@ class Tuner(FinalRound):
         if progress is not None:  # trials timed while the Problem before it finished count too
             progress(self._progress(asks.study, problem))
         studies.fail_stale(asks.study, self.options.grace_s)
-        self._peers_first(problem, later[0] if later else None)
+        self._peers_first(problem, later)
         swept = time.monotonic()
         try:
             while True:
@@ -231,15 +231,21 @@ class Tuner(FinalRound):
         # Only while `problem` holds trials: then the later ones' compiled trials take the GPU
         # between the asks, and once it holds none, the next search asks on (the asks here, 50-90
         # ms each, held the GPU idle 1-2 s at each Problem's end, 2 x H200, 2026-11-26).
-        for then in later:
-            if not (self.flight.short() and self.flight.holds(problem)):
-                break
-            ahead = self._asks[then] = self._asks.get(then) or self._asking(then)
-            while self.flight.short() and self.flight.holds(problem) and self._ask(then, ahead):
-                self._collect(problem, progress, later)
+        self._ask_later(problem, later, progress, lambda: self.flight.holds(problem))
         return False
 
-    def _collect(self, problem: Problem, progress, later: Sequence[Problem] = ()) -> None:
+    def _ask_later(self, current: Problem | None, later: Sequence[Problem], progress, going) -> None:
+        """Ask for trials of `later`'s Problems, in order, each until none is left (another process
+        may have taken its last), while the GPU is short of trials and `going()`; the compiled
+        trials of `current` and `later` are queued on the GPU between the asks."""
+        for then in later:
+            if not (self.flight.short() and going()):
+                return
+            ahead = self._asks[then] = self._asks.get(then) or self._asking(then)
+            while self.flight.short() and going() and self._ask(then, ahead):
+                self._collect(current, progress, later)
+
+    def _collect(self, problem: Problem | None, progress, later: Sequence[Problem] = ()) -> None:
         self._take({f for f in self.flight.futures() if f.done()}, problem, progress)
         self._dispatch(problem, later)
 
@@ -286,7 +292,7 @@ class Tuner(FinalRound):
             if done:
                 return done
 
-    def _dispatch(self, problem: Problem, later: Sequence[Problem] = ()) -> None:
+    def _dispatch(self, problem: Problem | None, later: Sequence[Problem] = ()) -> None:
         """Queue `problem`'s compiled trials on the GPU, up to its queue's length; then those of
         `later`, given where `problem` asks for no more and its last compiles would leave it idle."""
         for each in (problem, *later):
