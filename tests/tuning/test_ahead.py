@@ -18,6 +18,7 @@ from tunegen.tuning import final
 from tunegen.tuning.final import FIRST_PEERS
 from tunegen.tuning.interrupt import SLICE_S
 from tunegen.tuning.presets import dry_run, parse_shape, problems
+from tunegen.tuning.retiming import Retiming
 from tunegen.tuning.timeline import problem_label
 from tunegen.tuning.tuner import TuneOptions, Tuner
 
@@ -36,16 +37,18 @@ def _slow_final_round(tuner: Tuner, spans: list):
     """A final round as on a GPU (the interpreter has none): the fastest trial re-timed on the
     timing thread, holding it FINAL_S, at a time of 1 ms so that its result shows in the Winner."""
 
-    def final_round(problem, complete):
+    def final_round(problem, complete, helpers=None):
         best = min(complete, key=lambda t: (t.value, t.number))
 
-        def on_gpu():
+        def on_gpu(payload):
             start = time.time()
             time.sleep(FINAL_S)
             spans.append((start, time.time()))
             return {"status": "ok", "ms": 1.0}
 
-        return [(best, tuner._timing.submit(on_gpu))]
+        return [best], Retiming(
+            lambda payload: tuner._timing.submit(on_gpu, payload), [{"rep_ms": 1.0}], None
+        )
 
     return final_round
 

@@ -22,7 +22,7 @@ from helpers import tiny_problems
 from tunegen.cli.main import main
 from tunegen.kernels import gpu
 from tunegen.kernels.gpu import DeviceFacts, interpreter_gpu
-from tunegen.tuning import host, study
+from tunegen.tuning import host, rank_process, study
 from tunegen.tuning import ranks as placement
 from tunegen.tuning.study import evaluated, holds_claim, study_name
 from tunegen.tuning.tuner import TuneOptions, Tuner
@@ -326,7 +326,7 @@ def test_a_ranks_compile_workers_are_told_its_device_before_the_compiler_warms(m
     seen = []
     monkeypatch.setattr(gpu, "_meta_device", None)
     monkeypatch.setattr(
-        host, "warm_compiler", lambda capability: seen.append((capability, gpu.meta_device_given()))
+        rank_process, "warm_compiler", lambda capability: seen.append((capability, gpu.meta_device_given()))
     )
-    host._warm_workers(placement.Rank(0, "0", facts.gpu(), facts))
+    rank_process.warm_workers(placement.Rank(0, "0", facts.gpu(), facts))
     assert seen == [((9, 0), facts)]

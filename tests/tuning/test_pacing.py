@@ -251,9 +251,9 @@ def test_compiled_trials_of_the_next_problem_are_timed_ahead_of_a_final_round(tm
         concurrent.futures.wait(list(tuner.flight.compiling))
         final_round = tuner._final_round
 
-        def watched(problem, complete):
+        def watched(problem, complete, helpers=None):
             waiting.append(tuner.flight.ahead(PROBLEMS[1]))
-            return final_round(problem, complete)
+            return final_round(problem, complete, helpers)
 
         monkeypatch.setattr(tuner, "_final_round", watched)
         tuner.finalize(PROBLEMS[0])

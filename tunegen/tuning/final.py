@@ -1,6 +1,7 @@
 """A Problem's end, for the Tuner: wait until no process holds a trial of it, re-time the
-fastest few back to back, and record the Winner with the best peer's time (kept apart from the
-search in tuner.py, whose Tuner it is part of)."""
+fastest few back to back (sharing the re-timings with processes that have nothing left to do,
+where it has any), and record the Winner with the best peer's time (kept apart from the search in
+tuner.py, whose Tuner it is part of)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from tunegen.kernels.render import template_hash
 from tunegen.tuning import study as studies
 from tunegen.tuning.flight import Pending
 from tunegen.tuning.interrupt import SLICE_S, check, pause
+from tunegen.tuning.retiming import Helpers, Retiming, queue
 from tunegen.tuning.timeline import TUNER, WAIT_OTHERS, problem_label
 from tunegen.tuning.timing import rate
 from tunegen.tuning.trial import evaluate_task, peers_task
@@ -62,19 +64,31 @@ class FinalRound:
         *,
         start: float | None = None,
         later: Sequence[Problem] = (),
+        helpers: Helpers | None = None,
     ) -> Outcome:
         """Wait for the trials other processes hold on `problem` (a dead holder's are failed and
-        their Variants evaluated here), then re-time the fastest few and record the Winner, with
-        the best peer's time on the same Problem. Trials compiled meanwhile (the next Problem's)
-        are timed first (`_time_compiled`), and while the final round runs, trials of `later` (the
-        Problems this process searches next, in order) are asked for and compile
-        (`_search_ahead`): the Outcome's wall time includes them."""
+        their Variants evaluated here), then re-time the fastest few, with `helpers` where given,
+        and record the Winner, with the best peer's time on the same Problem. Trials compiled
+        meanwhile (the next Problem's) are timed first (`_time_compiled`), and while the final
+        round runs, trials of `later` (the Problems this process searches next, in order) are
+        asked for and compile (`_search_ahead`): the Outcome's wall time includes them."""
         start = time.monotonic() if start is None else start
         study = self._study(problem)
         self._time_compiled()
         self._settle(study, problem, progress)
         self._time_compiled()
-        return self._finish(study, problem, get(problem.family), start, later)
+        return self._finish(study, problem, get(problem.family), start, later, helpers)
+
+    def help_final(
+        self, problem: Problem, payloads: list[dict[str, Any]], index: int, rounds: int
+    ) -> list[dict[str, Any]]:
+        """Re-time round `index` of `rounds` of another process's final round on `problem` (its
+        finalists' `payloads`, see retiming.py): the results, in the finalists' order."""
+        futures = queue(self._submit_final(problem), payloads, index, rounds)
+        while not all(f.done() for f in futures):
+            check()
+            concurrent.futures.wait(futures, SLICE_S)
+        return [f.result() for f in futures]
 
     def _time_compiled(self) -> None:
         """Queue on the GPU the trials compiled meanwhile (the next Problem's), all of them past
@@ -137,28 +151,48 @@ class FinalRound:
                 return
             self.search(problem, progress)
 
-    def _final_round(self, problem: Problem, complete: list) -> list[tuple[Any, concurrent.futures.Future]]:
-        """The fastest few, each re-timed with a longer run, back to back on the GPU (futures of
-        the timing thread): one short timing can be off by a few percent, more than separates the
-        leaders. None to re-time where one trial completed, or off a GPU."""
+    def _final_round(
+        self, problem: Problem, complete: list, helpers: Helpers | None = None
+    ) -> tuple[list, Retiming | None]:
+        """The fastest few, and their re-timings with a longer run, back to back on the GPU (with
+        `helpers` where given, see retiming.py): one short timing can be off by a few percent,
+        more than separates the leaders. None to re-time where one trial completed, or off a GPU."""
         ranked = sorted(complete, key=lambda t: (t.value, t.number))[:FINALISTS]
-        if len(ranked) == 1 or self.gpu.backend != "cuda":
-            return []
-        timed = []
+        if len(ranked) == 1 or not self._retimes():
+            return [], None
+        payloads = []
         for trial in ranked:
             payload = self._payload(problem, None, self.options.seed + trial.number)
             payload.update(variant=trial.user_attrs["variant"], rep_ms=FINAL_REP_MS)
-            future = self._timing.submit(self._on_gpu, "final round", problem, evaluate_task, payload)
-            timed.append((trial, future))
-        return timed
+            payloads.append(payload)
+        return ranked, Retiming(self._submit_final(problem), payloads, helpers)
 
-    def _search_ahead(self, running: list[concurrent.futures.Future], later: Sequence[Problem]) -> None:
+    def _retimes(self) -> bool:
+        """Whether final rounds re-time: on a GPU, not under the interpreter, whose wall clock
+        ranks nothing."""
+        return self.gpu.backend == "cuda"
+
+    def _submit_final(self, problem: Problem) -> Callable[[dict[str, Any]], concurrent.futures.Future]:
+        """How a final round's re-timing of `problem` is queued on the GPU."""
+
+        def submit(payload: dict[str, Any]) -> concurrent.futures.Future:
+            return self._timing.submit(self._on_gpu, "final round", problem, evaluate_task, payload)
+
+        return submit
+
+    def _search_ahead(
+        self,
+        running: list[concurrent.futures.Future],
+        later: Sequence[Problem],
+        tick: Callable[[], None] = lambda: None,
+    ) -> None:
         """Until the GPU has done `running` (a Problem's peers and final round), ask for trials of
         `later` and compile them (`_ask_later`), queueing the compiled ones behind it: the GPU goes
         on to them at once. Asked afterwards, their asks and compiles left the GPU idle 1-1.4 s
-        after each final round (2 x H200, 2026-11-26)."""
+        after each final round (2 x H200, 2026-11-26). `tick` runs between the waits."""
         while pending := [f for f in running if not f.done()]:
             check()
+            tick()
             self._ask_later(None, later, None, lambda: not all(f.done() for f in running))
             # what is still running: a finished one would end the wait at once, every time
             concurrent.futures.wait(
@@ -166,7 +200,7 @@ class FinalRound:
             )
             self._collect(None, None, later)
 
-    def _finish(self, study, problem, family, start, later) -> Outcome:
+    def _finish(self, study, problem, family, start, later, helpers) -> Outcome:
         trials = study.get_trials(deepcopy=False)
         evaluated = [t for t in trials if studies.evaluated(t)]
         failed = sum(1 for t in evaluated if t.state == optuna.trial.TrialState.FAIL)
@@ -175,8 +209,9 @@ class FinalRound:
         if self._peer(study, problem) is None:  # nobody timed them: this process does, now
             payload = self._payload(problem, None, self.options.seed)
             peers = self._timing.submit(self._on_gpu, "peers", problem, peers_task, payload)
-        finalists = self._final_round(problem, complete) if complete else []
-        self._search_ahead([*([peers] if peers else []), *(f for _, f in finalists)], later)
+        ranked, retiming = self._final_round(problem, complete, helpers) if complete else ([], None)
+        running = [*([peers] if peers else []), *(retiming.futures() if retiming else [])]
+        self._search_ahead(running, later, retiming.poll if retiming else lambda: None)
         if peers is not None:
             self._peer_measured(study, problem, peers.result())
         peer = self._peer(study, problem) or {}
@@ -184,7 +219,8 @@ class FinalRound:
             return Outcome(
                 problem, self.gpu, None, None, len(evaluated), failed, None, time.monotonic() - start
             )
-        retimed = [(f.result()["ms"], t.number, t) for t, f in finalists if f.result()["status"] == "ok"]
+        results = zip(ranked, retiming.results() if retiming else [], strict=True)
+        retimed = [(r["ms"], t.number, t) for t, r in results if r["status"] == "ok"]
         if retimed:
             ms, _, best = min(retimed)
         else:  # one trial completed, off a GPU, or the final round failed: the search's time stands

@@ -6,121 +6,45 @@ study.py, on whatever store is configured), so they divide its trials without du
 different models are separate Gpu identities, each tuning every Problem for itself. This process
 shows the progress, and once every rank of a model has searched a Problem it hands that Problem's
 final round (waiting for stray trials, re-timing the finalists, recording the Winner) to one of
-them (`_takes_final`), while the others go on to the next Problem. A rank that dies is started
-again where it was; its trials are failed by the heartbeat and queued again (study.py).
+them (`_takes_final`), while the others go on to the next Problem; a rank of that model with
+nothing left to do takes over a round of its finalists' re-timings (`_hand`, retiming.py). A rank
+that dies is started again where it was; its trials are failed by the heartbeat and queued again
+(study.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import multiprocessing
 import multiprocessing.connection
-import os
 import sys
 import time
 import warnings
 from collections.abc import Callable
 from typing import Any
 
-from tunegen.kernels.compiler import warm_compiler
 from tunegen.kernels.database import database_url, open_store
 from tunegen.kernels.environ import environment
-from tunegen.kernels.gpu import Gpu, set_meta_device
+from tunegen.kernels.gpu import Gpu
 from tunegen.kernels.problem import Problem
 from tunegen.tuning import study as studies
 from tunegen.tuning.final import Outcome
-from tunegen.tuning.interrupt import Interrupted, blocked, check, raising
+from tunegen.tuning.interrupt import blocked, check, raising
 from tunegen.tuning.opening import create_studies
 from tunegen.tuning.options import MAX_SEED
+from tunegen.tuning.rank_process import POLL_S, rank_main
 from tunegen.tuning.ranks import Rank, cores
-from tunegen.tuning.timeline import TUNER, WAIT_HOST, Span
+from tunegen.tuning.retiming import ROUNDS
+from tunegen.tuning.timeline import Span
 from tunegen.tuning.tuner import TuneOptions, Tuner
-from tunegen.tuning.zygote import Zygote, usable
 
 # A rank that dies more often than this on one GPU stops the run (its GPU is likely unusable).
 MAX_RESTARTS = 3
-POLL_S = 0.5
 
 
 class HostError(RuntimeError):
     """A rank reported an error, or kept dying: the run stops (the studies keep what was done)."""
-
-
-def _rank_main(
-    rank: Rank, problems: list[Problem], options: TuneOptions, start: int, share: tuple[int, int], conn: Any
-) -> None:
-    """A rank: search the Problems from `start` on, asking this host's process between Problems
-    whether to finish one (finalize), go on, or stop. Of its model's `share` = (its position, the
-    model's ranks) it times the peers of every so many Problems. It talks through a pipe of its
-    own, which dies with it: nothing it sent can be mistaken for its successor's."""
-    # Forked, it inherits the progress display's proxies of stdout and stderr: its warnings and
-    # tracebacks go to the streams themselves, never through the display (or its lock).
-    sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
-    parent = multiprocessing.parent_process()
-    if options.cpus and len(options.cpus) > 1 and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, options.cpus[1:])  # the first core is the timing worker's alone
-
-    def answer() -> tuple:
-        while not conn.poll(POLL_S):
-            check()
-            if parent is not None and not parent.is_alive():
-                raise SystemExit(1)
-        return conn.recv()
-
-    # Its workers are forked by a copy of it made now, with one thread and no CUDA (zygote.py).
-    zygote = None
-    try:
-        if usable():
-            with contextlib.suppress(OSError):  # no process to spare: its workers are spawned
-                cuda = rank.gpu.backend == "cuda"
-                zygote = Zygote(functools.partial(_warm_workers, rank) if cuda else None)
-        position, ranks = share
-        peers = {p for j, p in enumerate(problems) if j % ranks == position}
-        with raising(), Tuner(rank.gpu, options, times_peers=peers.__contains__, zygote=zygote) as tuner:
-
-            def checkpoint(searched: int | None, more: bool) -> str:
-                # the Problems searched next, whose trials compile during any final round
-                later = problems[searched + 1 :] if searched is not None else []
-                conn.send(("spans", tuner.timeline.take()))
-                conn.send(("ready", searched, more))
-                while True:
-                    with tuner.timeline.span(TUNER, WAIT_HOST):
-                        kind, *args = answer()
-                    if kind != "finalize":
-                        conn.send(("spans", tuner.timeline.take()))
-                        return kind
-                    (j,) = args
-                    conn.send(("outcome", j, tuner.finalize(problems[j], later=later)))
-                    conn.send(("spans", tuner.timeline.take()))
-                    conn.send(("ready", None, more))
-
-            for i in range(start, len(problems)):
-                conn.send(("start", i))
-                tuner.search(
-                    problems[i], lambda state, i=i: conn.send(("progress", i, state)), problems[i + 1 :]
-                )
-                if checkpoint(i, i + 1 < len(problems)) == "stop":
-                    return
-            if start >= len(problems):
-                checkpoint(None, False)
-    except Interrupted as exc:  # its trials went back to the study as the Tuner closed
-        raise SystemExit(exc.exit_code) from None
-    except Exception as exc:
-        conn.send(("error", f"{type(exc).__name__}: {exc}"))
-        raise SystemExit(1) from None
-    finally:
-        if zygote is not None:
-            zygote.close()
-
-
-def _warm_workers(rank: Rank) -> None:
-    """Run in a rank's zygote once it has forked the timing worker: the compile workers it forks
-    next start with the compiler loaded, and compile for the rank's device asking CUDA nothing."""
-    if rank.facts is not None:
-        set_meta_device(rank.facts)
-    warm_compiler(rank.gpu.capability)
 
 
 @dataclasses.dataclass
@@ -137,6 +61,9 @@ class _State:
     restarts: int = 0
     done: bool = False
     finals: int = 0  # final rounds handed to it
+    offer: tuple[int, list] | None = None  # a round of its final round, on offer: (Problem, finalists)
+    helpers: int = 0  # ranks that took over a round of its final round
+    helping: tuple[_State, int] | None = None  # whose final round it re-times a round of (its restarts)
 
 
 class _Host:
@@ -161,6 +88,7 @@ class _Host:
         state.conn, child = self.context.Pipe()
         state.finalizing = []
         state.waiting = False
+        state.offer, state.helpers = None, 0
         # Each rank its own share of the cores and its own sampler seed, so that ranks sharing a
         # study do not keep proposing the same Variants.
         options = dataclasses.replace(
@@ -171,12 +99,12 @@ class _Host:
         members = self._members(state.rank.gpu)
         share = (members.index(state), len(members))
         args = (state.rank, self.problems, options, state.current, share, child)
-        # Signals wait until the rank can give its trials back (`raising` in _rank_main).
+        # Signals wait until the rank can give its trials back (`raising` in rank_main).
         with environment("CUDA_VISIBLE_DEVICES", state.rank.visible), blocked(), warnings.catch_warnings():
             # Python 3.12 warns of any fork from a process with threads; see __init__ for why not here.
             warnings.filterwarnings("ignore", message=".*use of fork", category=DeprecationWarning)
             state.process = self.context.Process(
-                target=_rank_main, args=args, name=f"tunegen-gpu{state.rank.index}"
+                target=rank_main, args=args, name=f"tunegen-gpu{state.rank.index}"
             )
             state.process.start()
         child.close()
@@ -218,10 +146,13 @@ class _Host:
             message = ("stop",)
             state.done = True
         else:
+            offering = next((s for s in self._members(gpu) if s.offer is not None), None)
+            if offering is not None:
+                self._hand(offering, state)
+                self._send(offering, ("taken",))
             return
         state.waiting = False
-        with contextlib.suppress(OSError):  # a rank that just died: revived on the next sweep
-            state.conn.send(message)
+        self._send(state, message)
 
     def _takes_final(self, state: _State) -> bool:
         """Whether the rank asking takes a searched Problem's final round: not while it has had
@@ -259,10 +190,46 @@ class _Host:
             self.outcomes[(gpu, j)] = outcome
             self.finished(gpu, j, outcome)
             self._answer_waiting(gpu)
+        elif kind == "offer":
+            state.offer, state.helpers = (args[0], args[1]), 0
+            idle = [s for s in self._members(gpu) if s.waiting and not s.more and not s.done]
+            if idle:
+                self._hand(state, idle[0])
+            self._send(state, ("offered", bool(idle)))
+        elif kind == "withdraw":
+            state.offer = None
+            self._send(state, ("helpers", state.helpers))
+        elif kind == "helped":
+            helped, state.helping = state.helping, None
+            self._pass_on(helped, args[0])
         elif kind == "spans":
             self.record(state.rank.name, args[0])
         elif kind == "error":
             raise HostError(f"{state.rank.name}: {args[0]}")
+
+    def _hand(self, state: _State, helper: _State) -> None:
+        """Hand the round that the rank of `state` offers of its final round to `helper`, a rank
+        of its model with nothing left to do, which re-times it on its GPU meanwhile."""
+        j, payloads = state.offer
+        state.offer = None
+        state.helpers += 1
+        helper.waiting = False
+        helper.helping = (state, state.restarts)
+        self._send(helper, ("help", j, payloads, ROUNDS - 1, ROUNDS))
+
+    def _pass_on(self, helped: tuple[_State, int] | None, result: list[dict[str, Any]] | None) -> None:
+        """Give a helper's re-timings (None: it died) to the rank whose final round it shared, if
+        that process still awaits them (not one started again since)."""
+        if helped is None:
+            return
+        state, restarts = helped
+        if state.restarts == restarts:
+            self._send(state, ("helped", result))
+
+    @staticmethod
+    def _send(state: _State, message: tuple) -> None:
+        with contextlib.suppress(OSError):  # a rank that just died: revived on the next sweep
+            state.conn.send(message)
 
     def _revive(self, state: _State) -> None:
         state.process.join()
@@ -276,6 +243,8 @@ class _Host:
         state.conn.close()
         for j in state.finalizing:
             self.assigned.discard((state.rank.gpu, j))
+        helped, state.helping = state.helping, None
+        self._pass_on(helped, None)
         self._start(state)
         self._answer_waiting(state.rank.gpu)
 

@@ -1,0 +1,161 @@
+"""What one rank of `tunegen tune --gpus` does in its own process (host.py starts it): search the
+Problems, and between them ask the host whether to finish one (its final round), help another
+rank with the one it is finishing, go on, or stop."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import multiprocessing
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from tunegen.kernels.compiler import warm_compiler
+from tunegen.kernels.gpu import set_meta_device
+from tunegen.kernels.problem import Problem
+from tunegen.tuning.interrupt import Interrupted, check, raising
+from tunegen.tuning.options import TuneOptions
+from tunegen.tuning.ranks import Rank
+from tunegen.tuning.timeline import TUNER, WAIT_HOST
+from tunegen.tuning.tuner import Tuner
+from tunegen.tuning.zygote import Zygote, usable
+
+# How often a rank waiting for the host looks whether a signal came or the host died.
+POLL_S = 0.5
+
+
+class HostHelpers:
+    """The ranks of this rank's model with nothing left to do, through the host: one may take over
+    a round of its final round on Problem `index` (retiming.Helpers). The host's messages after its
+    answer to the offer come in any order: the round taken, a helper's results, how many helpers
+    took one (its answer to the withdrawal)."""
+
+    def __init__(self, conn: Any, answer: Callable[[], tuple], index: int) -> None:
+        self.conn = conn
+        self.answer = answer
+        self.index = index
+        self.took = False
+        self.withdrawn = False
+        self.helped: list[list[dict[str, Any]] | None] = []
+        self.helpers: int | None = None  # known once the host has answered the withdrawal
+
+    def offer(self, payloads: list[dict[str, Any]]) -> bool:
+        self.conn.send(("offer", self.index, payloads))
+        kind, *args = self.answer()
+        if kind != "offered":
+            raise RuntimeError(f"the host answered {kind!r} to an offer")
+        self.took = args[0]
+        return self.took
+
+    def taken(self) -> bool:
+        while not self.took and self.conn.poll(0):
+            self._take(self.conn.recv())
+        return self.took
+
+    def withdraw(self) -> None:
+        if not self.withdrawn:
+            self.withdrawn = True
+            self.conn.send(("withdraw", self.index))
+
+    def results(self) -> list[list[dict[str, Any]] | None]:
+        self.withdraw()
+        while self.helpers is None or len(self.helped) < self.helpers:
+            self._take(self.answer())
+        return self.helped
+
+    def _take(self, message: tuple) -> None:
+        kind, *args = message
+        if kind == "taken":
+            self.took = True
+        elif kind == "helped":
+            self.helped.append(args[0])
+        elif kind == "helpers":
+            self.helpers = args[0]
+        else:
+            raise RuntimeError(f"the host sent {kind!r} during a final round")
+
+
+def rank_main(
+    rank: Rank, problems: list[Problem], options: TuneOptions, start: int, share: tuple[int, int], conn: Any
+) -> None:
+    """A rank: search the Problems from `start` on, asking this host's process between Problems
+    whether to finish one (finalize), help finish another rank's, go on, or stop. Of its model's
+    `share` = (its position, the model's ranks) it times the peers of every so many Problems. It
+    talks through a pipe of its own, which dies with it: nothing it sent can be mistaken for its
+    successor's."""
+    # Forked, it inherits the progress display's proxies of stdout and stderr: its warnings and
+    # tracebacks go to the streams themselves, never through the display (or its lock).
+    sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+    parent = multiprocessing.parent_process()
+    if options.cpus and len(options.cpus) > 1 and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, options.cpus[1:])  # the first core is the timing worker's alone
+
+    def answer() -> tuple:
+        while not conn.poll(POLL_S):
+            check()
+            if parent is not None and not parent.is_alive():
+                raise SystemExit(1)
+        return conn.recv()
+
+    # Its workers are forked by a copy of it made now, with one thread and no CUDA (zygote.py).
+    zygote = None
+    try:
+        if usable():
+            with contextlib.suppress(OSError):  # no process to spare: its workers are spawned
+                cuda = rank.gpu.backend == "cuda"
+                zygote = Zygote(functools.partial(warm_workers, rank) if cuda else None)
+        position, ranks = share
+        peers = {p for j, p in enumerate(problems) if j % ranks == position}
+        with raising(), Tuner(rank.gpu, options, times_peers=peers.__contains__, zygote=zygote) as tuner:
+
+            def checkpoint(searched: int | None, more: bool) -> str:
+                # the Problems searched next, whose trials compile during any final round
+                later = problems[searched + 1 :] if searched is not None else []
+                conn.send(("spans", tuner.timeline.take()))
+                conn.send(("ready", searched, more))
+                while True:
+                    with tuner.timeline.span(TUNER, WAIT_HOST):
+                        kind, *args = answer()
+                    if kind == "help":
+                        j, payloads, index, shares = args
+                        conn.send(("helped", tuner.help_final(problems[j], payloads, index, shares)))
+                    elif kind == "finalize":
+                        (j,) = args
+                        # Split into rounds only where it searches nothing after: a split costs
+                        # its GPU a little (each finalist set up twice), and only at the end of
+                        # a run does another rank wait with nothing to do.
+                        helpers = HostHelpers(conn, answer, j) if ranks > 1 and not more else None
+                        conn.send(("outcome", j, tuner.finalize(problems[j], later=later, helpers=helpers)))
+                    else:
+                        conn.send(("spans", tuner.timeline.take()))
+                        return kind
+                    conn.send(("spans", tuner.timeline.take()))
+                    conn.send(("ready", None, more))
+
+            for i in range(start, len(problems)):
+                conn.send(("start", i))
+                tuner.search(
+                    problems[i], lambda state, i=i: conn.send(("progress", i, state)), problems[i + 1 :]
+                )
+                if checkpoint(i, i + 1 < len(problems)) == "stop":
+                    return
+            if start >= len(problems):
+                checkpoint(None, False)
+    except Interrupted as exc:  # its trials went back to the study as the Tuner closed
+        raise SystemExit(exc.exit_code) from None
+    except Exception as exc:
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        raise SystemExit(1) from None
+    finally:
+        if zygote is not None:
+            zygote.close()
+
+
+def warm_workers(rank: Rank) -> None:
+    """Run in a rank's zygote once it has forked the timing worker: the compile workers it forks
+    next start with the compiler loaded, and compile for the rank's device asking CUDA nothing."""
+    if rank.facts is not None:
+        set_meta_device(rank.facts)
+    warm_compiler(rank.gpu.capability)
