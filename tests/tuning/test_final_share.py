@@ -17,7 +17,7 @@ from conftest import NEEDS_INTERPRETER
 from helpers import tiny_problems
 from tunegen.kernels.families import get
 from tunegen.kernels.gpu import interpreter_gpu
-from tunegen.tuning import host
+from tunegen.tuning import host, rank_process
 from tunegen.tuning import ranks as placement
 from tunegen.tuning.final import FINAL_REP_MS, FinalRound
 from tunegen.tuning.retiming import ROUNDS, Retiming, combined
@@ -38,8 +38,8 @@ def _ok(ms):
 
 def test_each_finalist_is_timed_at_the_mean_of_the_rounds_and_fails_if_any_round_failed():
     own = [_ok(1.0), _ok(2.0), _ok(3.0)]
-    got = combined([own, [_ok(3.0), WRONG, _ok(3.0)], None])
-    assert [r["status"] for r in got] == ["ok", "wrong", "ok"], "a helper that died counts for nothing"
+    got = combined([own, [_ok(3.0), WRONG, _ok(3.0)]])
+    assert [r["status"] for r in got] == ["ok", "wrong", "ok"]
     assert [r["ms"] for r in got if r["status"] == "ok"] == [2.0, 3.0]
     assert combined([own]) == own
     with pytest.raises(ValueError):
@@ -88,6 +88,17 @@ class _Helpers:
         return [self.times] if self.taken() else []
 
 
+STOPPED = {"status": "stopped", "reason": "the tuning process is stopping"}
+
+
+@pytest.mark.parametrize("lost", [None, [_ok(1.0), STOPPED, _ok(3.0)]], ids=["died", "stopped"])
+def test_a_helper_s_round_that_could_not_finish_counts_for_nothing(lost):
+    gpu = _Gpu()
+    gpu.go.set()
+    results = Retiming(gpu.submit, PAYLOADS, _Helpers(lost, now=True)).results()
+    assert [r["ms"] for r in results] == [97.0, 98.0, 99.0], "this process's round alone"
+
+
 def test_alone_a_final_round_times_each_finalist_once_for_the_whole_time_in_order():
     gpu = _Gpu()
     gpu.go.set()
@@ -119,18 +130,23 @@ def test_a_helper_that_comes_before_the_second_round_starts_takes_it_over():
     assert [r["ms"] for r in results] == [49.0, 50.0, 51.0]
 
 
-def test_once_the_second_round_has_started_here_it_is_offered_no_more():
+@pytest.mark.parametrize("taken", [False, True], ids=["withdrawn", "taken-as-it-started"])
+def test_once_the_second_round_has_started_here_it_runs_here(taken):
+    """Started here, the second round is offered no more. Where the host handed it on as it
+    started, it runs on here (cut short, the re-timing running would be lost and this GPU left
+    waiting for the helper), and the helper's round counts too."""
     gpu = _Gpu()
     helpers = _Helpers([_ok(1.0), _ok(2.0), _ok(3.0)])
     retiming = Retiming(gpu.submit, PAYLOADS, helpers)
     gpu.go.set()
     while not any(f.running() or f.done() for f in retiming.rounds[1]):
         time.sleep(0.01)
+    helpers.take = taken
     retiming.poll()
-    assert helpers.withdrawn
+    assert helpers.withdrawn != taken
     results = retiming.results()
     assert gpu.ran == [(v, HALF) for v in ("a", "b", "c", "b", "c", "a")], "the second round rotated"
-    assert [r["ms"] for r in results] == [97.0, 98.0, 99.0]
+    assert [r["ms"] for r in results] == ([65.0, 66.0, 67.0] if taken else [97.0, 98.0, 99.0])
 
 
 def test_a_helper_times_the_round_it_took_over_rotated():
@@ -194,7 +210,7 @@ def test_the_host_hands_an_offered_round_to_a_rank_with_nothing_left_to_do():
     assert idle.conn.sent == [("help", 0, PAYLOADS, 1, ROUNDS)] and not busy.conn.sent
     assert finalizer.conn.sent == [("offered", True)] and not idle.waiting
     run._handle(idle, ("helped", ["times"]))
-    run._handle(finalizer, ("withdraw", 0))
+    run._handle(finalizer, ("withdraw",))
     assert finalizer.conn.sent[1:] == [("helped", ["times"]), ("helpers", 1)] and idle.helping is None
 
 
@@ -207,7 +223,7 @@ def test_a_round_on_offer_goes_to_the_first_rank_left_with_nothing_to_do():
     assert searching.conn.sent == [("go",)], "a rank with Problems to search goes on"
     run._handle(late, ("ready", None, False))
     assert late.conn.sent == [("help", 0, PAYLOADS, 1, ROUNDS)] and finalizer.conn.sent[-1] == ("taken",)
-    run._handle(finalizer, ("withdraw", 0))
+    run._handle(finalizer, ("withdraw",))
     assert finalizer.conn.sent[-1] == ("helpers", 1)
     run._handle(late, ("helped", ["times"]))
     run._handle(late, ("ready", None, False))
@@ -215,7 +231,7 @@ def test_a_round_on_offer_goes_to_the_first_rank_left_with_nothing_to_do():
     assert finalizer.conn.sent[-2:] == [("helped", ["times"]), ("offered", True)], "it helps again"
     run._handle(late, ("helped", ["again"]))
     run._handle(late, ("ready", None, False))
-    run._handle(finalizer, ("withdraw", 0))
+    run._handle(finalizer, ("withdraw",))
     assert finalizer.conn.sent[-2:] == [("helped", ["again"]), ("helpers", 1)]
     run._handle(searching, ("ready", None, False))
     assert len(late.conn.sent) == 2 and searching.conn.sent == [("go",)], "nothing on offer now"
@@ -244,14 +260,67 @@ def test_a_helper_that_dies_counts_as_none_and_a_finalizer_started_again_gets_no
     sent = len(finalizer.conn.sent)
     run._handle(helper, ("helped", ["late"]))
     assert len(finalizer.conn.sent) == sent, "the process that asked is gone"
+    helper.waiting = False
+    run._handle(finalizer, ("offer", 0, PAYLOADS))
+    finalizer.process = Dead()
+    run._revive(finalizer)
+    run._handle(helper, ("ready", None, False))
+    assert helper.conn.sent[-1][0] == "help" and len(helper.conn.sent) == 2, "no offer outlives its rank"
+
+
+class _Conn:
+    """A rank's end of its pipe, with the host's messages queued."""
+
+    def __init__(self, *queued) -> None:
+        self.queued = list(queued)
+        self.sent: list[tuple] = []
+
+    def send(self, message):
+        self.sent.append(message)
+
+    def poll(self, timeout=None):
+        return bool(self.queued)
+
+    def recv(self):
+        return self.queued.pop(0)
+
+
+@pytest.mark.parametrize(
+    "after",
+    [
+        [("offered", False), ("taken",), ("helpers", 1), ("helped", ["times"])],
+        [("offered", False), ("taken",), ("helped", ["times"]), ("helpers", 1)],
+        [("offered", True), ("helped", ["times"]), ("helpers", 1)],
+    ],
+    ids=["results-last", "results-first", "taken-at-once"],
+)
+def test_a_rank_reads_the_host_s_messages_of_its_final_round_in_any_order_they_come(after):
+    conn = _Conn(*after)
+    helpers = rank_process.HostHelpers(conn, conn.recv, 4)
+    at_once = helpers.offer(PAYLOADS)
+    assert conn.sent == [("offer", 4, PAYLOADS)] and at_once == (after[0] == ("offered", True))
+    assert helpers.taken()
+    assert helpers.results() == [["times"]] and conn.sent[-1] == ("withdraw",)
+    helpers.withdraw()
+    assert conn.sent.count(("withdraw",)) == 1
+
+
+def test_a_rank_refuses_a_message_out_of_place_in_its_final_round():
+    conn = _Conn(("go",))
+    with pytest.raises(RuntimeError, match="'go'"):
+        rank_process.HostHelpers(conn, conn.recv, 0).offer(PAYLOADS)
+    conn = _Conn(("offered", False), ("stop",))
+    helpers = rank_process.HostHelpers(conn, conn.recv, 0)
+    helpers.offer(PAYLOADS)
+    with pytest.raises(RuntimeError, match="'stop'"):
+        helpers.results()
 
 
 @NEEDS_INTERPRETER
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="ranks forked with the patched Tuner")
 def test_two_ranks_share_the_final_round_of_the_last_problem(tmp_path, monkeypatch):
-    """With one Problem, the rank that finishes searching first waits with nothing to do while
-    the other's search ends; it then takes the final round, and the other rank, which has
-    nothing to do either, takes over its second round."""
+    """With one Problem, both ranks end their search with nothing left to do; one takes the final
+    round, and offers its second round, which the other takes over at once."""
     monkeypatch.setattr(Tuner, "_retimes", lambda self: True)
     url = f"sqlite:///{tmp_path / 'host.db'}"
     options = dataclasses.replace(FAST, url=url)

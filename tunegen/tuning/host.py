@@ -88,7 +88,6 @@ class _Host:
         state.conn, child = self.context.Pipe()
         state.finalizing = []
         state.waiting = False
-        state.offer, state.helpers = None, 0
         # Each rank its own share of the cores and its own sampler seed, so that ranks sharing a
         # study do not keep proposing the same Variants.
         options = dataclasses.replace(
@@ -228,7 +227,9 @@ class _Host:
 
     @staticmethod
     def _send(state: _State, message: tuple) -> None:
-        with contextlib.suppress(OSError):  # a rank that just died: revived on the next sweep
+        """Send a rank `message`; one that has just died gets nothing, and is started again on the
+        next sweep (`_revive`)."""
+        with contextlib.suppress(OSError):
             state.conn.send(message)
 
     def _revive(self, state: _State) -> None:
@@ -243,6 +244,7 @@ class _Host:
         state.conn.close()
         for j in state.finalizing:
             self.assigned.discard((state.rank.gpu, j))
+        state.offer, state.helpers = None, 0  # its final round starts again, on offer or not
         helped, state.helping = state.helping, None
         self._pass_on(helped, None)
         self._start(state)

@@ -28,9 +28,9 @@ POLL_S = 0.5
 
 class HostHelpers:
     """The ranks of this rank's model with nothing left to do, through the host: one may take over
-    a round of its final round on Problem `index` (retiming.Helpers). The host's messages after its
-    answer to the offer come in any order: the round taken, a helper's results, how many helpers
-    took one (its answer to the withdrawal)."""
+    a round of its final round on Problem `index` (retiming.Helpers). After its answer to the
+    offer, the host may say that the round was taken (before it answers the withdrawal, with how
+    many helpers took one) and pass on each helper's results (before or after that answer)."""
 
     def __init__(self, conn: Any, answer: Callable[[], tuple], index: int) -> None:
         self.conn = conn
@@ -57,7 +57,7 @@ class HostHelpers:
     def withdraw(self) -> None:
         if not self.withdrawn:
             self.withdrawn = True
-            self.conn.send(("withdraw", self.index))
+            self.conn.send(("withdraw",))
 
     def results(self) -> list[list[dict[str, Any]] | None]:
         self.withdraw()

@@ -21,6 +21,8 @@ from typing import Any, Protocol
 ROUNDS = 2
 
 Result = dict[str, Any]
+# What a re-timing found of its finalist, as against what kept it from finding anything.
+DECIDED = ("ok", "wrong")
 
 
 class Helpers(Protocol):
@@ -41,12 +43,11 @@ class Helpers(Protocol):
         once every helper that took one is done."""
 
 
-def combined(rounds: list[list[Result] | None]) -> list[Result]:
-    """Each finalist's re-timing over the `rounds` that came back (None: one that did not): ok
-    where every round found it ok, at the mean of their times."""
-    done = [r for r in rounds if r is not None]
+def combined(rounds: list[list[Result]]) -> list[Result]:
+    """Each finalist's re-timing over the `rounds`: ok where every round found it ok, at the mean
+    of their times."""
     out = []
-    for results in zip(*done, strict=True):
+    for results in zip(*rounds, strict=True):
         failed = next((r for r in results if r["status"] != "ok"), None)
         out.append(failed or {**results[0], "ms": statistics.fmean(r["ms"] for r in results)})
     return out
@@ -76,28 +77,30 @@ class Retiming:
         helpers: Helpers | None,
     ) -> None:
         self.helpers = helpers
-        taken = helpers is not None and helpers.offer(payloads)
         rounds = 1 if helpers is None else ROUNDS
-        self.rounds = [queue(submit, payloads, i, rounds) for i in range(rounds - 1 if taken else rounds)]
+        self.rounds = [queue(submit, payloads, 0, rounds)]
+        taken = helpers is not None and helpers.offer(payloads)
+        self.rounds += [queue(submit, payloads, i, rounds) for i in range(1, rounds - 1 if taken else rounds)]
         self.offered = helpers is not None and not taken  # the last round, still on offer
 
     def futures(self) -> list[concurrent.futures.Future]:
+        """This process's re-timings, queued on its GPU."""
         return [f for each in self.rounds for f in each]
 
     def poll(self) -> None:
-        """Hand the last round to a helper that has taken it, withdrawn from this GPU; once it has
-        started here, offer it no more (a helper taking it then would time what is timed)."""
+        """Hand the last round to a helper that has taken it, withdrawn from this GPU where it has
+        not started here; once it has started, offer it no more."""
         if not self.offered:
             return
         last = self.rounds[-1]
+        started = any(f.running() or f.done() for f in last)
         if self.helpers.taken():
             self.offered = False
-            for future in last:
-                future.cancel()
-            # A round counts whole or not at all: where one of its re-timings had started
-            # meanwhile, the helper's round stands for it.
-            self.rounds.pop()
-        elif any(f.running() or f.done() for f in last):
+            # A round counts whole: one that has started here runs on (the helper's counts too);
+            # one cut short (started between the look and the cut) is the helper's alone.
+            if not started and any([f.cancel() for f in last]):
+                self.rounds.pop()
+        elif started:
             self.offered = False
             self.helpers.withdraw()
 
@@ -108,4 +111,9 @@ class Retiming:
             self.offered = False
             self.helpers.withdraw()
         own = [[f.result() for f in each] for each in self.rounds]
-        return combined([*own, *(self.helpers.results() if self.helpers is not None else [])])
+        helped = self.helpers.results() if self.helpers is not None else []
+        # A helper's round counts where it timed or verified every finalist: one its process could
+        # not finish (it died, stopped, or lost its timing worker) says nothing of them.
+        return combined(
+            [*own, *(r for r in helped if r is not None and all(x["status"] in DECIDED for x in r))]
+        )
