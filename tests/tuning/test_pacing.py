@@ -313,14 +313,14 @@ def test_a_trial_claims_its_variant_in_the_database_before_it_looks_at_the_other
     path = tmp_path / "claims.db"
     seen = []
 
-    def conflict(study_, trial, config):
+    def conflict(study_, trial, config, target):
         with sqlite3.connect(path) as conn:
             row = conn.execute(
                 "SELECT value_json FROM trial_user_attributes WHERE trial_id = ? AND key = 'variant'",
                 (trial._trial_id,),
             ).fetchone()
         seen.append(row is not None and json.loads(row[0]) == config)
-        return real(study_, trial, config)
+        return real(study_, trial, config, target)
 
     real = study.conflict
     monkeypatch.setattr(study, "conflict", conflict)

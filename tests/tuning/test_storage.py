@@ -17,6 +17,7 @@ import sqlalchemy
 from optuna.trial import TrialState
 
 from tunegen.tuning import study as studies
+from tunegen.tuning.samplers import make_sampler
 
 HOLD_S = 1.5
 
@@ -169,7 +170,7 @@ def _search(path, snapshot: bool) -> list[tuple[dict, TrialState]]:
     suggestions and claim in one batch (in a snapshot or not), then the claims checked."""
     storage = studies.storage(f"sqlite:///{path}", heartbeat_s=10, grace_s=60)
     space = {"a": [1, 2], "b": [16, 32, 64], "c": [1, 2, 3], "d": [4, 8]}
-    sampler = studies.make_sampler("tpe", 7, space)
+    sampler = make_sampler("tpe", 7, space)
     study = optuna.create_study(study_name="s", storage=storage, sampler=sampler)
     for _ in range(15):
         trial = studies.ask(study)
@@ -179,7 +180,7 @@ def _search(path, snapshot: bool) -> list[tuple[dict, TrialState]]:
             knob = "c" if params["a"] == 1 else "d"  # another group of knobs
             params[knob] = trial.suggest_categorical(knob, space[knob])
             trial.set_user_attr("variant", repr(params))
-        reason = studies.conflict(study, trial, repr(params))
+        reason = studies.conflict(study, trial, repr(params), 15)
         if reason is not None:
             studies.conclude(storage, study, trial, {"reason": reason}, state=TrialState.PRUNED)
         else:
@@ -248,4 +249,22 @@ def test_a_timed_trial_never_told_is_not_evaluated_once_failed_as_abandoned(shar
     assert outcomes == {"timed": True, "failed": True, "abandoned": False}
     fresh = studies.ask(study)
     fresh.set_user_attr("variant", "abandoned")
-    assert studies.conflict(study, fresh, "abandoned") is None, "its Variant may be evaluated again"
+    assert studies.conflict(study, fresh, "abandoned", 3) is None, "its Variant may be evaluated again"
+
+
+def test_a_claim_past_the_target_steps_back_whoever_wrote_it_first(shared):
+    """Two processes that ask for a Problem's last trial at once both claim one: the claim with
+    the higher number steps back, whichever was written first, so the target holds. Trials not
+    claimed (pruned, abandoned) leave room."""
+    _, study, _ = shared
+    for state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL):
+        done = studies.ask(study)
+        done.set_user_attr("variant", f"v{done.number}")
+        done.set_user_attr("evaluated", state == TrialState.COMPLETE)
+        study.tell(done, 1.0 if state == TrialState.COMPLETE else None, state=state)
+    first, second = studies.ask(study), studies.ask(study)
+    second.set_user_attr("variant", "b")
+    first.set_user_attr("variant", "a")
+    assert studies.conflict(study, second, "b", 2) == "the 2 trials asked for were claimed before it"
+    assert studies.conflict(study, first, "a", 2) is None
+    assert studies.conflict(study, second, "b", 3) is None

@@ -18,7 +18,8 @@ from tunegen.kernels.families import prefill
 from tunegen.kernels.gpu import interpreter_gpu
 from tunegen.kernels.reference import TOLERANCE
 from tunegen.tuning.presets import dry_run, parse_shape, preset, problems
-from tunegen.tuning.study import make_sampler, study_name
+from tunegen.tuning.samplers import make_sampler
+from tunegen.tuning.study import study_name
 from tunegen.tuning.tuner import TuneOptions, Tuner
 from tunegen.tuning.workers import Worker, WorkerPool
 from tunegen.tuning_db import FailureRecord, Store

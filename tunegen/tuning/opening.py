@@ -15,6 +15,7 @@ from tunegen.kernels.problem import Problem
 from tunegen.tuning import study as studies
 from tunegen.tuning.interrupt import check
 from tunegen.tuning.options import TuneOptions
+from tunegen.tuning.samplers import make_sampler
 
 
 def open_study(
@@ -27,7 +28,7 @@ def open_study(
     space = family.search_space(problem, gpu)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     name = studies.study_name(gpu, problem, sampler)
-    chosen = studies.make_sampler(sampler, seed, space)
+    chosen = make_sampler(sampler, seed, space)
     try:
         return optuna.load_study(study_name=name, storage=storage, sampler=chosen)
     except KeyError:  # none yet

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tunegen.tuning.study import SAMPLERS
+from tunegen.tuning.samplers import SAMPLERS
 
 # Optuna's samplers take seeds below 2**32.
 MAX_SEED = 2**32 - 1

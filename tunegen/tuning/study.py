@@ -1,5 +1,5 @@
-"""The Optuna side of tuning: samplers, study names, the storage with heartbeats, and how trials
-are claimed, counted and concluded by several processes sharing one study.
+"""The Optuna side of tuning: study names, the storage with heartbeats, and how trials are
+claimed, counted and concluded by several processes sharing one study (samplers: samplers.py).
 
 A trial holds a Variant once its "variant" attribute is written (its claim); a claim is written
 before the process looks at the others' claims, so of two processes that pick the same Variant at
@@ -31,39 +31,9 @@ from optuna.trial import FrozenTrial, TrialState
 from tunegen.kernels.gpu import Gpu
 from tunegen.kernels.problem import Problem
 
-SAMPLERS = ("tpe", "random", "grid", "cmaes", "gp")
 # A Variant whose trial was abandoned (its process died) this many times is not queued again.
 MAX_RETRIES = 2
 log = logging.getLogger("tunegen")
-
-
-class _Grid(optuna.samplers.GridSampler):
-    """Optuna's grid without its own stop (Study.stop works only in optimize(); the tuner stops)."""
-
-    def after_trial(self, study: optuna.Study, trial: Any, state: Any, values: Any) -> None:
-        return None
-
-
-def make_sampler(name: str, seed: int, space: dict[str, list]) -> optuna.samplers.BaseSampler:
-    """The Optuna sampler called `name`, seeded."""
-    if name == "tpe":
-        # group: knobs of one schedule are searched together, apart from another schedule's (an
-        # option Optuna still marks experimental, which users need not be warned about).
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, constant_liar=True)
-    if name == "random":
-        return optuna.samplers.RandomSampler(seed=seed)
-    if name == "grid":
-        return _Grid(space, seed=seed)
-    if name == "cmaes":
-        # CMA-ES has no categorical model: Optuna hands those knobs to its independent sampler.
-        return optuna.samplers.CmaEsSampler(
-            seed=seed, independent_sampler=optuna.samplers.TPESampler(seed=seed)
-        )
-    if name == "gp":
-        return optuna.samplers.GPSampler(seed=seed)
-    raise ValueError(f"sampler: expected one of {SAMPLERS}, got {name!r}")
 
 
 def study_name(gpu: Gpu, problem: Problem, sampler: str) -> str:
@@ -304,12 +274,18 @@ def claimed(study: optuna.Study) -> int:
     return sum(1 for t in study.get_trials(deepcopy=False) if evaluated(t) or holds_claim(t))
 
 
-def conflict(study: optuna.Study, trial: optuna.Trial, config: str) -> str | None:
-    """Why another trial's claim on the Variant `config` rules this trial out, if one does.
+def conflict(study: optuna.Study, trial: optuna.Trial, config: str, target: int) -> str | None:
+    """Why other trials' claims rule this trial out, if they do: a claim on its Variant `config`,
+    or `target` claims made before it (processes that asked for the last trials at once went past
+    the target, up to one trial each per Problem: 5 of 9 Problems on 2 x H200, 2026-11-26).
 
-    Called after this trial's own claim is written. A running claim rules out whatever its
-    number, so that of two simultaneous claims at least one steps back."""
-    for other in study.get_trials(deepcopy=False):
+    Called after this trial's own claim is written. A running claim on the Variant rules out
+    whatever its number, so that of two simultaneous claims at least one steps back."""
+    trials = study.get_trials(deepcopy=False)
+    before = sum(1 for t in trials if t.number < trial.number and (evaluated(t) or holds_claim(t)))
+    if before >= target:
+        return f"the {target} trials asked for were claimed before it"
+    for other in trials:
         if other.number == trial.number or other.user_attrs.get("variant") != config:
             continue
         if other.state == TrialState.COMPLETE:

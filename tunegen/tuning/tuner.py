@@ -268,7 +268,7 @@ class Tuner(FinalRound):
                 variant, reason = self._screen(asks.family, params, problem, trial, asks.failures)
         if reason is None:
             # the claim is written: now see whether another process's rules this trial out
-            reason = studies.conflict(study, trial, variant.to_json())
+            reason = studies.conflict(study, trial, variant.to_json(), opts.trials)
         self.timeline.add(SAMPLER, "asking the sampler", asking, time.time(), problem_label(problem))
         if reason is not None:
             studies.conclude(self.storage, study, trial, {"reason": reason}, state=TrialState.PRUNED)
