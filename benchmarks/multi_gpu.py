@@ -21,6 +21,7 @@ import re
 import shutil
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -192,9 +193,13 @@ def main() -> None:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     specs = args.runs.split(";") if ";" in args.runs else args.runs.split(",")
-    # Read tunegen's imports (torch, Triton) from disk once, so that the first run does not pay
-    # for a cold page cache that the runs after it find warm.
-    subprocess.run(["tunegen", "--help"], capture_output=True, check=True)
+    # Import what a tuning run imports (torch, Triton, Optuna, the tuner) once, so that the first
+    # run does not pay alone for a cold page cache, nor for compiling the bytecode of modules
+    # installed without it (`pip install --no-compile`), which the runs after it find done: on
+    # 2 x H200 (2026-11-26) the first run started 0.3-2.5 s later than the next ones where the
+    # wheels had no bytecode, and was not the slowest to start where they had it.
+    warm = "import tunegen.cli.main, tunegen.tuning.host, rich.progress"
+    subprocess.run([sys.executable, "-c", warm], capture_output=True, check=True)
     runs = []
     for repeat in range(1, args.repeat + 1):
         for spec in specs if repeat % 2 else specs[::-1]:  # every other time in reverse order
