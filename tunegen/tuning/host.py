@@ -227,8 +227,8 @@ class _Host:
 
     @staticmethod
     def _send(state: _State, message: tuple) -> None:
-        """Send a rank `message`; one that has just died gets nothing, and is started again on the
-        next sweep (`_revive`)."""
+        """Send a rank `message`; one that has just died gets nothing (and, while the run goes on,
+        is started again on the next sweep: `_revive`)."""
         with contextlib.suppress(OSError):
             state.conn.send(message)
 
@@ -292,8 +292,7 @@ class _Host:
                 if terminate:
                     state.process.terminate()
                     continue
-                with contextlib.suppress(OSError):
-                    state.conn.send(("stop",))
+                self._send(state, ("stop",))
         deadline = time.monotonic() + 30
         for state in self.states:
             if state.process is None:

@@ -119,8 +119,8 @@ def rank_main(
                     with tuner.timeline.span(TUNER, WAIT_HOST):
                         kind, *args = answer()
                     if kind == "help":
-                        j, payloads, index, shares = args
-                        conn.send(("helped", tuner.help_final(problems[j], payloads, index, shares)))
+                        j, payloads, index, rounds = args
+                        conn.send(("helped", tuner.help_final(problems[j], payloads, index, rounds)))
                     elif kind == "finalize":
                         (j,) = args
                         # Split into rounds only where it searches nothing after: a split costs
