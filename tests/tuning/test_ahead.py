@@ -4,6 +4,7 @@ compiles run; and the command's exit, which skips the interpreter's teardown."""
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from conftest import NEEDS_INTERPRETER
 from helpers import assert_each_variant_evaluated_once, tiny_problems
 from tunegen.kernels.gpu import interpreter_gpu
 from tunegen.tuning import final
-from tunegen.tuning.final import FIRST_PEERS
+from tunegen.tuning.flight import Flight, Pending
 from tunegen.tuning.interrupt import SLICE_S
 from tunegen.tuning.presets import dry_run, parse_shape, problems
 from tunegen.tuning.retiming import Retiming
@@ -139,20 +140,71 @@ def test_a_final_round_waits_for_its_rest_without_spinning(tmp_path, monkeypatch
 @NEEDS_INTERPRETER
 def test_a_process_times_the_peers_of_its_next_problems_while_its_first_trials_compile(tmp_path):
     """At a run's start the GPU waits for the first compiles: the peers of the next Problems this
-    process times (not those it leaves to others), FIRST_PEERS of them, are timed then, ahead of
-    any trial, and each once."""
+    process times (not those it leaves to others) are timed then, in order, ahead of any trial,
+    and each once."""
     url = f"sqlite:///{tmp_path / 'peers.db'}"
     options = TuneOptions(trials=2, workers=2, url=url, trial_timeout=300)
     third, fourth = _causal("4,2,32"), _causal("8,2,64")
-    mine = {PROBLEMS[1], third, fourth}
+    mine = [PROBLEMS[1], third, fourth]
     with Tuner(GPU, options, times_peers=mine.__contains__) as tuner:
         tuner.search(PROBLEMS[0], later=[PROBLEMS[1], third, fourth])
         spans = tuner.timeline.take()
     work = sorted((s for s in spans if s.lane == "gpu" and s.name != "warm-up"), key=lambda s: s.start)
-    first = [("peers", problem_label(p)) for p in (PROBLEMS[1], third)][:FIRST_PEERS]
-    assert [(s.name, s.problem) for s in work[:FIRST_PEERS]] == first
+    assert (work[0].name, work[0].problem) == ("peers", problem_label(PROBLEMS[1]))
     peers = [s.problem for s in work if s.name == "peers"]
-    assert sorted(peers) == sorted(p for _, p in first), "each once; none it leaves to others, none further"
+    assert peers == [problem_label(p) for p in mine[: len(peers)]], "in order, each once, only its own"
+
+
+class _Idle(final.FinalRound):
+    """The part of a Tuner that `_peers_while_idle` reads: what is in flight, the Problem searched,
+    the later ones, which peers were timed; the peers it queues are collected."""
+
+    def __init__(self, searching, later, timed=()):
+        self.flight = Flight(2)
+        self._searching, self._later_peers, self._peers = searching, list(later), {}
+        self.times_peers = set(later).__contains__
+        self.timed, self.queued = set(timed), []
+        self.options = TuneOptions(trials=2)
+
+    def _study(self, problem):
+        return problem
+
+    def _peer(self, study, problem):
+        return {"ms": 1.0} if problem in self.timed else None
+
+    def _payload(self, problem, variant, seed):
+        return {}
+
+    def _on_gpu_queue(self, pending):
+        self.queued.append(pending.problem)
+        self.flight.timing[concurrent.futures.Future()] = pending
+
+
+def _compiling(tuner: _Idle, problem) -> None:
+    tuner.flight.compiling[concurrent.futures.Future()] = Pending(problem, object(), None, {})
+
+
+def test_peers_fill_the_gpu_only_while_it_would_wait_for_the_searched_problems_compiles():
+    """The next later Problem's peers not yet timed are queued, one at a time, only while the GPU
+    has nothing queued nor compiled waiting and the searched Problem has trials compiling: not
+    after the search (nor before it holds any trial), whose final round would wait for them."""
+    now, second, third = PROBLEMS[0], PROBLEMS[1], _causal("4,2,32")
+    tuner = _Idle(now, [second, third], timed={second})
+    tuner._peers_while_idle()
+    assert tuner.queued == [], "the searched Problem holds nothing"
+    _compiling(tuner, now)
+    tuner._peers_while_idle()
+    tuner._peers_while_idle()
+    assert tuner.queued == [third], "the first not yet timed, once: the GPU then has it to time"
+    tuner = _Idle(now, [second, third])
+    _compiling(tuner, now)
+    tuner.flight.ready[now] = collections.deque([Pending(now, object(), None, {})])
+    tuner._peers_while_idle()
+    assert tuner.queued == [], "a compiled trial waits"
+    tuner.flight.ready.clear()
+    tuner._searching = None
+    tuner._peers_while_idle()
+    assert tuner.queued == [], "no search"
 
 
 @pytest.mark.parametrize(("code", "status"), [(0, 0), (3, 3), (None, 0), ("'stopped'", 1)])

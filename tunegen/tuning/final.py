@@ -29,10 +29,6 @@ from tunegen.tuning.trial import evaluate_task, peers_task
 from tunegen.tuning_db import WinnerRecord
 
 FINALISTS = 3
-# The Problems whose peers a process times first where its GPU would otherwise wait for the first
-# compiles: each takes the GPU 0.6-1 s, the first compiles 1-2 s after the warm-up (2 x H200,
-# 2026-11-26).
-FIRST_PEERS = 2
 FINAL_REP_MS = 400.0
 # Rounds of waiting for other processes' trials, then evaluating the queued copies of abandoned ones.
 SETTLE_ROUNDS = 3
@@ -109,25 +105,38 @@ class FinalRound:
 
     def _peers_first(self, problem: Problem, later: Sequence[Problem]) -> None:
         """Queue `problem`'s peers, the bar to beat, timed while its first Variants compile; and
-        where the GPU has nothing else to time meanwhile (a run's start), those of the next
-        Problems whose peers this process times, FIRST_PEERS in all, which it times later anyway,
-        rather than leave it idle."""
+        keep, in order, the Problems of `later` whose peers this process times, for the moments
+        its GPU would otherwise wait (`_peers_while_idle`)."""
         self._time_peers(problem)
-        idle = not self.flight.ready.get(problem) and all(
-            p.trial is None for p in self.flight.timing.values()
-        )
-        if idle:
-            for each in [p for p in (problem, *later) if self.times_peers(p)][:FIRST_PEERS]:
-                self._time_peers(each)
+        self._later_peers = [p for p in later if self.times_peers(p)]
+        self._peers_while_idle()
 
-    def _time_peers(self, problem: Problem) -> None:
+    def _peers_while_idle(self) -> None:
+        """Where the GPU has nothing to time nor any compiled trial waiting while the Problem
+        searched has trials compiling, queue the peers of the next Problem this process times
+        later, which it times anyway, rather than leave the GPU idle: at a run's start while the
+        first Variants compile, and each time a GPU joins a Problem whose first compiles have not
+        ended (0.7-1 s per GPU each time, 2 x H200, 2026-11-26). One at a time, so that a compiled
+        trial waits behind one at most; never once the search holds nothing, whose final round
+        would wait for them."""
+        searching = self._searching
+        if searching is None or self.flight.timing or any(self.flight.ready.values()):
+            return
+        if not self.flight.holds(searching):
+            return
+        while self._later_peers:
+            if self._time_peers(self._later_peers.pop(0)):
+                return
+
+    def _time_peers(self, problem: Problem) -> bool:
         """Queue the timing of `problem`'s peers on the GPU, if this process times them and they
-        are neither timed nor queued."""
+        are neither timed nor queued; whether it queued them."""
         if not self.times_peers(problem) or self._peer(self._study(problem), problem) is not None:
-            return
+            return False
         if any(p.trial is None and p.problem == problem for p in self.flight.timing.values()):
-            return
+            return False
         self._on_gpu_queue(Pending(problem, None, None, self._payload(problem, None, self.options.seed)))
+        return True
 
     def _peer(self, study: optuna.Study, problem: Problem) -> dict[str, Any] | None:
         """The fastest peer measured in this run: by this process, else by another one."""

@@ -97,6 +97,8 @@ class Tuner(FinalRound):
         self._studies: dict[Problem, optuna.Study] = {}
         self._peers: dict[Problem, dict[str, Any]] = {}
         self._asks: dict[Problem, Asks] = {}
+        self._searching: Problem | None = None  # with _later_peers, see _peers_while_idle
+        self._later_peers: list[Problem] = []
         self.flight = Flight(self.pool.size, self.pool.started if gpu.backend == "cuda" else FIRST_AHEAD)
         self.times_peers = times_peers
         self._reported = 0.0  # when progress was last read for a report
@@ -174,6 +176,7 @@ class Tuner(FinalRound):
         if progress is not None:  # trials timed while the Problem before it finished count too
             progress(self._progress(asks.study, problem))
         studies.fail_stale(asks.study, self.options.grace_s)
+        self._searching = problem
         self._peers_first(problem, later)
         swept = time.monotonic()
         try:
@@ -190,6 +193,7 @@ class Tuner(FinalRound):
                 self._take(self._wait(), problem, progress)
         finally:
             self._asks.pop(problem, None)
+            self._searching = None
 
     def _asking(self, problem: Problem) -> Asks:
         family = get(problem.family)
@@ -294,11 +298,13 @@ class Tuner(FinalRound):
 
     def _dispatch(self, problem: Problem | None, later: Sequence[Problem] = ()) -> None:
         """Queue `problem`'s compiled trials on the GPU, up to its queue's length; then those of
-        `later`, given where `problem` asks for no more and its last compiles would leave it idle."""
+        `later`, given where `problem` asks for no more and its last compiles would leave it idle;
+        where the GPU is left idle all the same, a later Problem's peers (`_peers_while_idle`)."""
         for each in (problem, *later):
             ready = self.flight.ready.get(each)
             while ready and len(self.flight.timing) < GPU_QUEUE:
                 self._on_gpu_queue(ready.popleft())
+        self._peers_while_idle()
 
     def _on_gpu_queue(self, pending: Pending) -> None:
         if pending.trial is None:
