@@ -146,15 +146,8 @@ def tune(
     import os
     import time
 
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-    from rich.table import Table
-
-    from tunegen.tuning import host, interrupt, presets
+    from tunegen.tuning import presets
     from tunegen.tuning import ranks as placement
-    from tunegen.tuning import timeline as timelines
-    from tunegen.tuning.tuner import TuneOptions
-    from tunegen.tuning_db import TuningDbError
 
     models = [_parsed(presets.preset, n, "--preset") for n in preset_names]
     models += [_parsed(presets.parse_shape, s, "--shape") for s in shapes]
@@ -162,7 +155,21 @@ def tune(
         models = [presets.preset("llama3-8b")]
     _refuse_what_does_not_apply(family, causal, fp8)
     asked = time.time()
-    devices = [] if dry_run else placement.cuda_devices()
+    # Asked before the imports below: a child process asks CUDA while this one imports.
+    query = None if dry_run else placement.DeviceQuery()
+
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.table import Table
+
+    # The store's first use, in the run, would load SQLAlchemy's schema and Alembic: here instead.
+    import tunegen.tuning_db.store  # noqa: F401
+    from tunegen.tuning import host, interrupt
+    from tunegen.tuning import timeline as timelines
+    from tunegen.tuning.tuner import TuneOptions
+    from tunegen.tuning_db import TuningDbError
+
+    devices = [] if query is None else query.result()
     answered = time.time()
     interpret = not devices
     if interpret and trials > presets.DRY_RUN_TRIALS:

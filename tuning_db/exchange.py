@@ -9,10 +9,12 @@ import math
 import re
 from collections import Counter
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tunegen.tuning_db.records import GpuRecord, WinnerRecord
-from tunegen.tuning_db.store import Store
+
+if TYPE_CHECKING:
+    from tunegen.tuning_db.store import Store
 
 FORMAT = "tunegen-winners"
 VERSION = 1

@@ -123,6 +123,7 @@ def test_cli_list_show_export_import_upgrade(url, tmp_path):
 
 
 def test_lookups_see_the_users_database_first_then_the_shipped_one(tmp_path, monkeypatch):
+    from tunegen import tuning_db
     from tunegen.kernels import database, dispatch, snapshot
     from tunegen.kernels.gpu import Gpu
     from tunegen.kernels.problem import Problem
@@ -140,7 +141,7 @@ def test_lookups_see_the_users_database_first_then_the_shipped_one(tmp_path, mon
         (doc,) = export_documents(store).values()
     (tmp_path / "shipped").mkdir()
     (tmp_path / "shipped" / "h100.json").write_text(json.dumps(doc))
-    monkeypatch.setattr(snapshot, "shipped_store", lambda: load_shipped(tmp_path / "shipped"))
+    monkeypatch.setattr(tuning_db, "shipped_store", lambda: load_shipped(tmp_path / "shipped"))
 
     def served() -> tuple[list[int], list[int], int]:
         snapshot.forget()

@@ -4,6 +4,7 @@ the zygote is gone; the host's CUDA devices read without touching CUDA in this p
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import sqlite3
@@ -206,6 +207,21 @@ def test_workers_are_spawned_once_the_zygote_is_gone():
 def test_the_hosts_devices_are_read_without_cuda_here():
     assert ranks.cuda_devices() == []
     assert usable(), "asking left this process able to fork workers that use CUDA"
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the test process has asked CUDA already (conftest)")
+def test_a_failure_getting_ready_beside_the_device_query_is_raised_where_its_answer_is_awaited(monkeypatch):
+    """The thread that gets this process ready to fork while the child asks CUDA fails: the
+    caller learns it where it waits for the devices, and the child is gone."""
+
+    def fail():
+        raise ValueError("no C compiler")
+
+    monkeypatch.setattr(ranks, "_get_ready", fail)
+    query = ranks.DeviceQuery()
+    with pytest.raises(ValueError, match="no C compiler"):
+        query.result()
+    assert not multiprocessing.active_children()
 
 
 def test_a_dry_run_from_a_process_whose_triton_compiles_spawns_interpreting_workers(tmp_path):

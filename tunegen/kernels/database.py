@@ -8,18 +8,22 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import platformdirs
 import torch
 import triton
 
+from tunegen import tuning_db
 from tunegen.kernels.families import get
 from tunegen.kernels.families.base import Family, applicable
 from tunegen.kernels.gpu import Gpu
 from tunegen.kernels.problem import TORCH_DTYPES, Problem
 from tunegen.kernels.variant import Variant
-from tunegen.tuning_db import GpuRecord, Store, WinnerRecord, parse_document
+from tunegen.tuning_db import GpuRecord, WinnerRecord, parse_document
+
+if TYPE_CHECKING:
+    from tunegen.tuning_db import Store
 
 # The JSON types of the fields of Problem and of every Variant (their annotations), exactly: a
 # boolean is no integer here.
@@ -39,7 +43,7 @@ def database_url(url: str | None = None) -> str:
 
 def open_store(url: str | None = None, *, readonly: bool = False) -> Store:
     """Open (creating or upgrading as needed, unless read-only) the tuning database."""
-    return Store(database_url(url), readonly=readonly)
+    return tuning_db.Store(database_url(url), readonly=readonly)
 
 
 def gpu_record(gpu: Gpu, driver: str = "") -> GpuRecord:

@@ -20,10 +20,11 @@ import warnings
 
 import torch.distributed as dist
 
+from tunegen import tuning_db
 from tunegen.kernels.database import gpu_record, open_store, unusable
 from tunegen.kernels.gpu import Gpu
 from tunegen.kernels.problem import Problem
-from tunegen.tuning_db import TuningDbError, WinnerRecord, parse_document, shipped_store
+from tunegen.tuning_db import TuningDbError, WinnerRecord, parse_document
 from tunegen.tuning_db.exchange import FORMAT, VERSION, entry
 from tunegen.tuning_db.records import canonical, features_key
 
@@ -88,7 +89,7 @@ def forget() -> None:
 def _read(gpu: Gpu) -> Snapshot:
     """This process's reading for `gpu`; never creates the user's database."""
     record = gpu_record(gpu)
-    shipped = tuple(shipped_store().winners(gpu=record))
+    shipped = tuple(tuning_db.shipped_store().winners(gpu=record))
     try:
         with open_store(readonly=True) as store:
             return Snapshot(tuple(w for w in store.winners(gpu=record) if unusable(w) is None), shipped)

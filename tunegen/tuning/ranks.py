@@ -39,34 +39,66 @@ class Rank:
 
 
 def cuda_devices() -> list[DeviceFacts]:
-    """This host's CUDA devices, as CUDA_VISIBLE_DEVICES shows them (none without CUDA). Asked in
-    a forked child where this process has not touched CUDA yet: once a process asks CUDA anything,
-    even whether it is there, the processes it forks can no longer use it, and the ranks and their
-    workers are forked from this one (zygote.py). Asked here where that was too late. While the
-    child asks (0.6 s), this process gets ready to fork the ranks (`_get_ready`)."""
-    if not zygote.usable():
-        return _devices()
-    context = multiprocessing.get_context("fork")
-    ours, theirs = context.Pipe(duplex=False)
-    child = context.Process(target=_send_devices, args=(theirs,), daemon=True)
-    child.start()
-    theirs.close()
-    try:
-        unready = _get_ready()
-        found = ours.recv()
-    except EOFError:
-        child.join()
-        raise RuntimeError(f"querying this host's CUDA devices died (exit code {child.exitcode})") from None
-    finally:
-        ours.close()
-        child.join()
-    if found and unready:
-        warnings.warn(
-            f"tunegen tune: Triton's CUDA driver could not be made ahead of the workers ({unready}); "
-            "each makes its own, which slows its first compile",
-            stacklevel=2,
-        )
-    return _devices() if found is None else found
+    """This host's CUDA devices, as CUDA_VISIBLE_DEVICES shows them (none without CUDA): see
+    DeviceQuery, whose answer this waits for."""
+    return DeviceQuery().result()
+
+
+class DeviceQuery:
+    """This host's CUDA devices being asked, in a forked child where this process has not touched
+    CUDA yet: once a process asks CUDA anything, even whether it is there, the processes it forks
+    can no longer use it, and the ranks and their workers are forked from this one (zygote.py).
+    Asked here where that was too late. While the child asks (0.6 s), a thread of this process
+    gets ready to fork the ranks (`_get_ready`, 0.6 s), and the command that made the query goes
+    on (`tunegen tune` imports the tuning database's layer, 0.6 s on an H200 host, 2026-11-26);
+    `result()` waits for the answer and the thread. Nothing may fork in between."""
+
+    def __init__(self) -> None:
+        self._found: list[DeviceFacts] | None = None
+        self._child = None
+        if not zygote.usable():
+            self._found = _devices()
+            return
+        context = multiprocessing.get_context("fork")
+        self._ours, theirs = context.Pipe(duplex=False)
+        self._child = context.Process(target=_send_devices, args=(theirs,), daemon=True)
+        self._child.start()
+        theirs.close()
+        self._ready: list = []  # what _get_ready returned, or the exception it raised
+        self._readying = threading.Thread(target=self._get_ready, name="tunegen-get-ready")
+        self._readying.start()
+
+    def _get_ready(self) -> None:
+        try:
+            self._ready.append(_get_ready())
+        except BaseException as exc:  # raised where the answer is waited for
+            self._ready.append(exc)
+
+    def result(self) -> list[DeviceFacts]:
+        """The devices found (asked in this process where no child could be forked)."""
+        if self._child is None:
+            return self._found or []
+        try:
+            self._readying.join()
+            found = self._ours.recv()
+        except EOFError:
+            self._child.join()
+            raise RuntimeError(
+                f"querying this host's CUDA devices died (exit code {self._child.exitcode})"
+            ) from None
+        finally:
+            self._ours.close()
+            self._child.join()
+        (unready,) = self._ready
+        if isinstance(unready, BaseException):
+            raise unready
+        if found and unready:
+            warnings.warn(
+                f"tunegen tune: Triton's CUDA driver could not be made ahead of the workers ({unready}); "
+                "each makes its own, which slows its first compile",
+                stacklevel=2,
+            )
+        return _devices() if found is None else found
 
 
 def _get_ready() -> str | None:
