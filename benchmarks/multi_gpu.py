@@ -15,6 +15,8 @@ each SPEC's walls: a command's start (importing torch) varied by 2 s from run to
 from __future__ import annotations
 
 import argparse
+import collections
+import hashlib
 import json
 import os
 import re
@@ -25,7 +27,9 @@ import sys
 import time
 from pathlib import Path
 
+import optuna
 import torch
+from optuna.trial import TrialState
 
 from tunegen.kernels.families import base, get
 from tunegen.kernels.gpu import cuda_gpu
@@ -115,6 +119,63 @@ def retime(runs: list[dict], seed: int = 7) -> list[dict]:
     return rows
 
 
+# What stopped an asked trial short of the GPU: words of the reasons `Tuner._ask` records.
+PRUNED = {
+    "constraint:": "constraint",
+    "failed before:": "failed before",
+    "duplicate of trial": "duplicate",
+    "being evaluated as trial": "claimed by another process",
+    "were claimed before it": "past the target",
+}
+
+
+def searches(run: dict) -> dict[str, dict]:
+    """How each Problem's search went in `run`, from its database: trials asked, evaluated (per
+    process), pruned by reason; the best time, the trial that first came within 2% of it, and the
+    schedule of the best Variant. What tells one search from another where their Winners differ."""
+    url = f"sqlite:///{run['db']}"
+    with Store(url) as store:
+        problems = {Problem(**w.problem) for w in store.winners()}
+    by_digest = {hashlib.sha256(p.to_json().encode()).hexdigest()[:16]: p for p in problems}
+    out = {}
+    storage = optuna.storages.RDBStorage(url)
+    try:
+        for name in optuna.study.get_all_study_names(storage):
+            problem = by_digest.get(name.rsplit("-", 1)[-1])
+            if problem is None:
+                continue
+            trials = optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False)
+            done = [t for t in trials if t.state == TrialState.COMPLETE and t.user_attrs.get("evaluated")]
+            best = min(done, key=lambda t: t.value) if done else None
+            near = [t.number for t in done if best and t.value <= 1.02 * best.value]
+            reasons = [t.user_attrs.get("reason", "") for t in trials if t.state == TrialState.PRUNED]
+            pruned = collections.Counter(
+                next((v for k, v in PRUNED.items() if k in r), "other") for r in reasons
+            )
+            owners = collections.Counter(
+                t.user_attrs.get("owner") for t in trials if t.user_attrs.get("evaluated")
+            )
+            out[problem_text(problem.as_dict())] = {
+                "asked": len(trials),
+                "evaluated": sorted(owners.values(), reverse=True),
+                "pruned": dict(pruned),
+                "best_ms": best.value if best else None,
+                "best_schedule": json.loads(best.user_attrs["variant"]).get("schedule") if best else None,
+                "within_2pct_at": min(near) if near else None,
+            }
+    finally:
+        storage.engine.dispose()
+    return out
+
+
+def _search_cell(one: dict | None) -> str:
+    if one is None:
+        return "-"
+    evaluated = "+".join(map(str, one["evaluated"]))
+    pruned = f"{one['pruned'].get('duplicate', 0)} / {one['pruned'].get('claimed by another process', 0)}"
+    return f"{evaluated}; {pruned}; #{one['within_2pct_at']}; {one['best_schedule']}"
+
+
 def summary(runs: list[dict], rows: list[dict] | None, device: str) -> str:
     first = runs[0]["gpus"]  # each speedup is over this SPEC's run of the same repeat
     base = {run["repeat"]: run["wall_s"] for run in runs if run["gpus"] == first}
@@ -159,6 +220,19 @@ def summary(runs: list[dict], rows: list[dict] | None, device: str) -> str:
                 f"{kinds} | {row['compile_busy']:.0%} of {row['compile_workers']} | {waits} |"
             )
     specs = [run["label"] for run in runs]
+    searched = [run for run in runs if run.get("searches")]
+    if searched:
+        lines += [
+            "",
+            "Each search (trials evaluated per process; pruned: duplicate / claimed by another process; the",
+            "first trial within 2% of the best; the best Variant's schedule):",
+            "",
+            "| problem | " + " | ".join(f"`--gpus {r['label']}`" for r in searched) + " |",
+            "| --- | " + " | ".join("---" for _ in searched) + " |",
+        ]
+        for label in searched[0]["searches"]:
+            cells = [_search_cell(run["searches"].get(label)) for run in searched]
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
     if rows is None:
         return "\n".join([*lines, "", "Winners not re-timed yet."]) + "\n"
     lines += [
@@ -204,7 +278,9 @@ def main() -> None:
     for repeat in range(1, args.repeat + 1):
         for spec in specs if repeat % 2 else specs[::-1]:  # every other time in reverse order
             label = spec if args.repeat == 1 else f"{spec} #{repeat}"
-            runs.append({**tune(spec, args.preset or ["llama3-8b"], work, extra, label), "repeat": repeat})
+            run = tune(spec, args.preset or ["llama3-8b"], work, extra, label)
+            run["searches"] = searches(run) if run["exit_code"] == 0 else {}
+            runs.append({**run, "repeat": repeat})
     device = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
