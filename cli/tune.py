@@ -170,7 +170,7 @@ def tune(
     from tunegen.tuning_db import TuningDbError
 
     devices = [] if query is None else query.result()
-    answered = time.time()
+    answered = time.time() if query is None else query.answered
     interpret = not devices
     if interpret and trials > presets.DRY_RUN_TRIALS:
         if _given("trials"):

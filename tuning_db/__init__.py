@@ -6,7 +6,7 @@ What needs SQLAlchemy or Alembic (the store, its schema, the shipped winners) lo
 imports them while its child process asks CUDA for the host's devices."""
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tunegen.tuning_db.errors import TuningDbError
 from tunegen.tuning_db.exchange import (
@@ -19,6 +19,11 @@ from tunegen.tuning_db.exchange import (
 )
 from tunegen.tuning_db.records import FailureRecord, GpuRecord, WinnerRecord
 
+if TYPE_CHECKING:
+    from tunegen.tuning_db.database import head_revision
+    from tunegen.tuning_db.shipped import load_shipped, shipped_store
+    from tunegen.tuning_db.store import Store
+
 # The names loaded on first use, and the module of this package each comes from.
 _ON_USE = {
     "Store": "store",
@@ -29,9 +34,15 @@ _ON_USE = {
 
 
 def __getattr__(name: str) -> Any:
-    if name in _ON_USE:
-        return getattr(importlib.import_module(f"{__name__}.{_ON_USE[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name not in _ON_USE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_ON_USE[name]}"), name)
+    globals()[name] = value  # found directly from now on
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_ON_USE})
 
 
 __all__ = [

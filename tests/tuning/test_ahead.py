@@ -162,6 +162,7 @@ class _Idle(final.FinalRound):
     def __init__(self, searching, later, timed=()):
         self.flight = Flight(2)
         self._searching, self._later_peers, self._peers = searching, list(later), {}
+        self._peers_tried = set()
         self.times_peers = set(later).__contains__
         self.timed, self.queued = set(timed), []
         self.options = TuneOptions(trials=2)
@@ -180,8 +181,9 @@ class _Idle(final.FinalRound):
         self.flight.timing[concurrent.futures.Future()] = pending
 
 
-def _compiling(tuner: _Idle, problem) -> None:
-    tuner.flight.compiling[concurrent.futures.Future()] = Pending(problem, object(), None, {})
+def _compiling(tuner: _Idle, problem, since: float | None = None) -> None:
+    pending = Pending(problem, object(), None, {}, **({} if since is None else {"since": since}))
+    tuner.flight.compiling[concurrent.futures.Future()] = pending
 
 
 def test_peers_fill_the_gpu_only_while_it_would_wait_for_the_searched_problems_compiles():
@@ -196,6 +198,10 @@ def test_peers_fill_the_gpu_only_while_it_would_wait_for_the_searched_problems_c
     tuner._peers_while_idle()
     tuner._peers_while_idle()
     assert tuner.queued == [third], "the first not yet timed, once: the GPU then has it to time"
+    tuner.flight.timing.clear()  # its peers failed: they are not tried again in a later search
+    tuner._peers_first(now, [second, third])
+    tuner._peers_while_idle()
+    assert tuner.queued == [third]
     tuner = _Idle(now, [second, third])
     _compiling(tuner, now)
     tuner.flight.ready[now] = collections.deque([Pending(now, object(), None, {})])
@@ -205,6 +211,19 @@ def test_peers_fill_the_gpu_only_while_it_would_wait_for_the_searched_problems_c
     tuner._searching = None
     tuner._peers_while_idle()
     assert tuner.queued == [], "no search"
+
+
+def test_peers_wait_for_a_compile_about_to_end_not_for_a_straggler():
+    """With compiles measured at 1 s, the peers are not queued in front of a compile due within
+    PEERS_S, are behind one due later, and behind a straggler (running twice its estimate and
+    more), which is not counted as coming."""
+    now, later = PROBLEMS[0], PROBLEMS[1]
+    for age, queued in [(1.0 - final.PEERS_S / 2, []), (0.2, [later]), (2.5, [later])]:
+        tuner = _Idle(now, [later])
+        tuner.flight.compiled(1.0)
+        _compiling(tuner, now, since=time.monotonic() - age)
+        tuner._peers_while_idle()
+        assert tuner.queued == queued, age
 
 
 @pytest.mark.parametrize(("code", "status"), [(0, 0), (3, 3), (None, 0), ("'stopped'", 1)])

@@ -29,6 +29,10 @@ from tunegen.tuning.trial import evaluate_task, peers_task
 from tunegen.tuning_db import WinnerRecord
 
 FINALISTS = 3
+# A GPU that would wait for compiles times a later Problem's peers only where its next compile is
+# due no sooner than this: a Problem's peers take the GPU 0.4-1 s (2 x H200, 2026-11-26), and a
+# compile that ends meanwhile waits for them.
+PEERS_S = 0.5
 FINAL_REP_MS = 400.0
 # Rounds of waiting for other processes' trials, then evaluating the queued copies of abandoned ones.
 SETTLE_ROUNDS = 3
@@ -108,7 +112,7 @@ class FinalRound:
         keep, in order, the Problems of `later` whose peers this process times, for the moments
         its GPU would otherwise wait (`_peers_while_idle`)."""
         self._time_peers(problem)
-        self._later_peers = [p for p in later if self.times_peers(p)]
+        self._later_peers = [p for p in later if self.times_peers(p) and p not in self._peers_tried]
         self._peers_while_idle()
 
     def _peers_while_idle(self) -> None:
@@ -117,15 +121,19 @@ class FinalRound:
         later, which it times anyway, rather than leave the GPU idle: at a run's start while the
         first Variants compile, and each time a GPU joins a Problem whose first compiles have not
         ended (0.7-1 s per GPU each time, 2 x H200, 2026-11-26). One at a time, so that a compiled
-        trial waits behind one at most; never once the search holds nothing, whose final round
-        would wait for them."""
+        trial waits behind one at most, and only where the next compile is not due within
+        PEERS_S; never once the search holds nothing, whose final round would wait for them; and
+        once per run for each Problem (whose peers may have failed)."""
         searching = self._searching
         if searching is None or self.flight.timing or any(self.flight.ready.values()):
             return
-        if not self.flight.holds(searching):
+        due = self.flight.due_in(searching)
+        if not self.flight.holds(searching) or (due is not None and due < PEERS_S):
             return
         while self._later_peers:
-            if self._time_peers(self._later_peers.pop(0)):
+            later = self._later_peers.pop(0)
+            self._peers_tried.add(later)
+            if self._time_peers(later):
                 return
 
     def _time_peers(self, problem: Problem) -> bool:

@@ -118,6 +118,19 @@ class Flight:
         slow = self.compile_s + DEVIATIONS * self.compile_deviation
         return min(self.workers, math.ceil(slow / max(self.gpu_s, 1e-3)) + 2)
 
+    def due_in(self, problem: Problem) -> float | None:
+        """Seconds until the first of `problem`'s compiles that is not a straggler should end, by
+        the estimate (at least 0); None before a compile was measured, or where none is coming."""
+        if self.compile_s is None:
+            return None
+        now = time.monotonic()
+        coming = [
+            p.since
+            for p in self.compiling.values()
+            if p.problem == problem and now - p.since < STRAGGLER * self.compile_s
+        ]
+        return max(0.0, min(coming) + self.compile_s - now) if coming else None
+
     def holds(self, problem: Problem) -> bool:
         """Whether anything of `problem` is compiling, waiting for the GPU or on it."""
         return bool(self.ahead(problem)) or any(p.problem == problem for p in self.timing.values())

@@ -8,6 +8,7 @@ import dataclasses
 import multiprocessing
 import os
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -56,8 +57,10 @@ class DeviceQuery:
     def __init__(self) -> None:
         self._found: list[DeviceFacts] | None = None
         self._child = None
+        self.answered: float | None = None  # when the devices were known (time.time())
         if not zygote.usable():
             self._found = _devices()
+            self.answered = time.time()
             return
         context = multiprocessing.get_context("fork")
         self._ours, theirs = context.Pipe(duplex=False)
@@ -80,7 +83,7 @@ class DeviceQuery:
             return self._found or []
         try:
             self._readying.join()
-            found = self._ours.recv()
+            found, self.answered = self._ours.recv()
         except EOFError:
             self._child.join()
             raise RuntimeError(
@@ -122,7 +125,8 @@ def _devices() -> list[DeviceFacts]:
 
 def _send_devices(conn: Any) -> None:
     # None: this process's parent had asked CUDA something already, which forking cannot undo
-    conn.send(None if torch.cuda._is_in_bad_fork() else _devices())
+    found = None if torch.cuda._is_in_bad_fork() else _devices()
+    conn.send((found, time.time()))
 
 
 def select(spec: str, count: int) -> list[int]:

@@ -97,8 +97,9 @@ class Tuner(FinalRound):
         self._studies: dict[Problem, optuna.Study] = {}
         self._peers: dict[Problem, dict[str, Any]] = {}
         self._asks: dict[Problem, Asks] = {}
-        self._searching: Problem | None = None  # with _later_peers, see _peers_while_idle
+        self._searching: Problem | None = None  # with the two below, see _peers_while_idle
         self._later_peers: list[Problem] = []
+        self._peers_tried: set[Problem] = set()
         self.flight = Flight(self.pool.size, self.pool.started if gpu.backend == "cuda" else FIRST_AHEAD)
         self.times_peers = times_peers
         self._reported = 0.0  # when progress was last read for a report
@@ -176,10 +177,10 @@ class Tuner(FinalRound):
         if progress is not None:  # trials timed while the Problem before it finished count too
             progress(self._progress(asks.study, problem))
         studies.fail_stale(asks.study, self.options.grace_s)
-        self._searching = problem
-        self._peers_first(problem, later)
-        swept = time.monotonic()
         try:
+            self._searching = problem
+            self._peers_first(problem, later)
+            swept = time.monotonic()
             while True:
                 if time.monotonic() - swept > self.options.heartbeat_s:
                     # a dead process's claims stop counting, its Variants come back
@@ -193,7 +194,7 @@ class Tuner(FinalRound):
                 self._take(self._wait(), problem, progress)
         finally:
             self._asks.pop(problem, None)
-            self._searching = None
+            self._searching, self._later_peers = None, []
 
     def _asking(self, problem: Problem) -> Asks:
         family = get(problem.family)
