@@ -120,6 +120,35 @@ def _no_trial_left_running(url):
         assert not [t.number for t in _trials(url, problem) if t.state == TrialState.RUNNING]
 
 
+def _kill_while_holding(url, done, killed):
+    """Until `done`, look at rank 1's claims every 0.1 s and kill it once it holds a trial of either
+    Problem (it holds the next one's first trials while it finishes one), noting them in `killed`.
+    Polled rather than hooked on progress reports, which may all come while it holds none."""
+    while not (killed or done.wait(0.1)):
+        victim = next((p for p in multiprocessing.active_children() if p.name == "tunegen-gpu1"), None)
+        if victim is None:
+            continue
+        # Stopped while its trials are read: a held trial cannot be concluded between the look
+        # and the kill (pruned just after its claim was written, or evaluated).
+        os.kill(victim.pid, signal.SIGSTOP)
+        try:
+            held = [
+                (k, numbers)
+                for k, problem in enumerate(PROBLEMS)
+                if (
+                    numbers := [
+                        t.number
+                        for t in _trials(url, problem, made=False)
+                        if holds_claim(t) and f":{victim.pid}:" in t.user_attrs["owner"]
+                    ]
+                )
+            ]
+        except sqlalchemy.exc.OperationalError:  # stopped while it wrote: the database stays locked
+            held = []
+        os.kill(victim.pid, signal.SIGKILL if held else signal.SIGCONT)
+        killed.extend(held)
+
+
 @pytest.mark.parametrize("kill", [False, True], ids=["both-live", "one-killed"])
 def test_two_stand_ins_divide_the_trials(tmp_path, kill):
     """Two ranks share each Problem's study: every Variant evaluated once, both take part, each
@@ -129,31 +158,16 @@ def test_two_stand_ins_divide_the_trials(tmp_path, kill):
     ranks = [placement.Rank(i, None, GPU) for i in range(2)]
     killed: list[tuple[int, list[int]]] = []
     finished = []
-
-    def progress(gpu, j, state):
-        if not kill or killed:
-            return
-        victim = next(p for p in multiprocessing.active_children() if p.name == "tunegen-gpu1")
-        # Stopped while its trials are read: a held trial cannot be concluded between the look
-        # and the kill (pruned just after its claim was written, or evaluated).
-        os.kill(victim.pid, signal.SIGSTOP)
-        # Of either Problem: a rank holds the next one's first trials only while it finishes one.
-        mine = [
-            (
-                k,
-                [
-                    t.number
-                    for t in _trials(url, problem, made=False)
-                    if holds_claim(t) and f":{victim.pid}:" in t.user_attrs["owner"]
-                ],
-            )
-            for k, problem in enumerate(PROBLEMS)
-        ]
-        held = [(k, numbers) for k, numbers in mine if numbers]
-        os.kill(victim.pid, signal.SIGKILL if held else signal.SIGCONT)
-        killed.extend(held)
-
-    outcomes = host.tune_on(PROBLEMS, ranks, options, progress, lambda gpu, j, o: finished.append(j))
+    over = threading.Event()
+    watcher = threading.Thread(target=_kill_while_holding, args=(url, over, killed), daemon=True)
+    if kill:
+        watcher.start()
+    try:
+        outcomes = host.tune_on(PROBLEMS, ranks, options, lambda *a: None, lambda gpu, j, o: finished.append(j))
+    finally:
+        over.set()
+    if kill:
+        watcher.join()
     assert sorted(finished) == [0, 1], "each Problem finished once"
     assert all(outcomes[(GPU, j)].winner is not None for j in range(2))
     owners = set()
