@@ -163,7 +163,7 @@ def test_two_stand_ins_divide_the_trials(tmp_path, kill):
     if kill:
         watcher.start()
     try:
-        outcomes = host.tune_on(PROBLEMS, ranks, options, lambda *a: None, lambda gpu, j, o: finished.append(j))
+        outcomes = host.tune_on(PROBLEMS, ranks, options, lambda *a: None, lambda g, j, o: finished.append(j))
     finally:
         over.set()
     if kill:
@@ -198,12 +198,12 @@ class _Pipe:
         self.sent.append(message)
 
 
-def _two_ranks_of_three_problems():
-    """A host of two ranks of one model over three Problems, its ranks' pipes recorded; and `say`,
-    which hands it a rank's "ready" (the Problem it searched, whether it has more) and returns
-    what the host answered."""
+def _two_ranks(problems):
+    """A host of two ranks of one model over `problems` (indices into PROBLEMS), its ranks' pipes
+    recorded; and `say`, which hands it a rank's "ready" (the Problem it searched, whether it has
+    more) and returns what the host answered."""
     ranks = [placement.Rank(i, None, GPU) for i in range(2)]
-    run = host._Host([PROBLEMS[0], PROBLEMS[1], PROBLEMS[0]], ranks, FAST, *[lambda *a: None] * 3)
+    run = host._Host([PROBLEMS[k] for k in problems], ranks, FAST, *[lambda *a: None] * 3)
     for state in run.states:
         state.conn = _Pipe()
 
@@ -215,32 +215,29 @@ def _two_ranks_of_three_problems():
     return *run.states, say
 
 
+def test_a_problem_s_final_round_is_handed_out_once_its_own_rank_has_searched_it():
+    """Not once every rank has been through it: a rank that owns no Problem near the end would hold
+    it back. The others are told which Problems are settled, and skip them."""
+    a, b, say = _two_ranks([0, 1, 0])
+    assert say(a, 0, True) == [("finalize", 0)], "searched by its own rank, b has not been through it"
+    assert say(b, 1, True) == [("go", [0, 1])], "one of the last two while b searches on; 0 is settled"
+    assert say(a, None, True) == [("go", [0, 1])]
+    assert say(a, 2, False) == [("finalize", 2)], "a done searching takes a last one, its own first"
+    assert say(b, 2, False) == [("finalize", 1)], "and b the other, side by side"
+    assert (a.finals, b.finals) == (2, 1)
+
+
 def test_final_rounds_are_spread_over_the_ranks_of_a_model():
-    """The rank that finishes searching a Problem last takes its final round, unless it has had
-    more of them than a rank with Problems left to search, which takes it at its next stop; at
-    the end each rank takes one, side by side."""
-    a, b, say = _two_ranks_of_three_problems()
-    assert say(a, 0, True) == [("go",)], "Problem 0 is not searched by both yet"
-    assert say(b, 0, True) == [("finalize", 0)], "the last to finish searching it"
-    assert say(b, None, True) == [("go",)]
-    assert say(a, 1, True) == [("go",)]
-    assert say(b, 1, True) == [("go",)], "b had one more final round than a, which will stop again"
-    assert say(a, 2, False) == [("finalize", 1)], "a takes it at its next stop"
-    assert say(b, 2, False) == [("finalize", 2)], "and the last one goes to b meanwhile"
+    """The rank that finishes searching a Problem takes its final round, unless it has had more of
+    them than a rank with Problems left to search, which takes it at its next stop."""
+    a, b, say = _two_ranks([0, 1, 0, 1, 0, 1])
+    assert say(a, 0, True) == [("finalize", 0)]
+    assert say(a, None, True) == [("go", [0])]
+    assert say(a, 2, True) == [("go", [0, 2])], "a had one more final round than b, which will stop"
+    assert say(b, 1, True) == [("finalize", 1)], "its own first"
+    assert say(b, None, True) == [("finalize", 2)]
+    assert say(b, None, True) == [("go", [0, 1, 2])]
     assert (a.finals, b.finals) == (1, 2)
-
-
-def test_the_last_final_rounds_wait_for_the_last_search_and_end_side_by_side():
-    """A rank that finished searching a Problem near the end goes on searching the last one
-    rather than take that final round: the ranks then end on a final round each, side by side,
-    not one alone while the other waits."""
-    a, b, say = _two_ranks_of_three_problems()
-    assert say(a, 0, True) == [("go",)]
-    assert say(b, 0, True) == [("finalize", 0)], "not one of the last two"
-    assert say(b, None, True) == say(b, 1, True) == [("go",)]
-    assert say(a, 1, True) == [("go",)], "searched, but one of the last two: a searches Problem 2"
-    assert say(b, 2, False) == [("finalize", 1)], "b, done searching, takes it"
-    assert say(a, 2, False) == [("finalize", 2)], "while a takes the last"
 
 
 def _tune_forever(url):

@@ -1,15 +1,18 @@
 """Tuning on several GPUs of one host (`tunegen tune --gpus`).
 
 Each GPU gets a process of its own (a rank): a Tuner whose timing worker and compile workers see
-only that GPU. Ranks on GPUs of one model share each Problem's study (the fleet mechanism in
-study.py, on whatever store is configured), so they divide its trials without duplicates; GPUs of
-different models are separate Gpu identities, each tuning every Problem for itself. This process
-shows the progress, and once every rank of a model has searched a Problem it hands that Problem's
-final round (waiting for stray trials, re-timing the finalists, recording the Winner) to one of
-them (`_takes_final`), while the others go on to the next Problem; a rank of that model with
-nothing left to do takes over a round of its finalists' re-timings (`_hand`, retiming.py). A rank
-that dies is started again where it was; its trials are failed by the heartbeat and queued again
-(study.py).
+only that GPU. Each rank of a model owns every so many of the Problems and searches those first,
+alone, as one GPU would (a search shared by two GPUs asks for twice the trials before any result
+is known, and its Winner came out 5-9% slower on one Problem in three of four runs, 2 x H200,
+2026-11-27); then it goes through the other ranks' Problems, taking a share of the trials not yet
+asked for (rank_process.search_order). Sharing is the fleet mechanism of study.py, on whatever
+store is configured: ranks divide a study's trials without duplicates. GPUs of different models are
+separate Gpu identities, each tuning every Problem for itself. This process shows the progress, and
+once a Problem's own rank has searched it, hands its final round (waiting for the trials other
+ranks still hold, re-timing the finalists, recording the Winner) to a rank of its model
+(`_takes_final`), while the others go on; a rank of that model with nothing left to do takes over
+a round of its finalists' re-timings (`_hand`, retiming.py). A rank that dies is started again
+where it was; its trials are failed by the heartbeat and queued again (study.py).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from tunegen.tuning.final import Outcome
 from tunegen.tuning.interrupt import blocked, check, raising
 from tunegen.tuning.opening import create_studies
 from tunegen.tuning.options import MAX_SEED
-from tunegen.tuning.rank_process import POLL_S, rank_main
+from tunegen.tuning.rank_process import POLL_S, rank_main, search_order
 from tunegen.tuning.ranks import Rank, cores
 from tunegen.tuning.retiming import ROUNDS
 from tunegen.tuning.timeline import Span
@@ -53,7 +56,8 @@ class _State:
     position: int
     process: Any = None
     conn: Any = None
-    current: int = 0  # the Problem it searches (or will)
+    order: list[int] = dataclasses.field(default_factory=list)  # its search_order
+    current: int = 0  # the position in `order` it searches (or will)
     finalizing: list[int] = dataclasses.field(default_factory=list)
     searched: set[int] = dataclasses.field(default_factory=set)
     waiting: bool = False  # asked for work, none given yet
@@ -80,6 +84,9 @@ class _Host:
         # only where this process has not touched CUDA (`zygote.usable`).
         self.context = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
         self.states = [_State(rank, position) for position, rank in enumerate(ranks)]
+        for state in self.states:
+            members = self._members(state.rank.gpu)
+            state.order = search_order(len(problems), members.index(state), len(members))
         self.outcomes: dict[tuple[Gpu, int], Outcome] = {}
         self.assigned: set[tuple[Gpu, int]] = set()
         self.started: dict[tuple[Gpu, int], float] = {}
@@ -111,22 +118,29 @@ class _Host:
     def _members(self, gpu: Gpu) -> list[_State]:
         return [s for s in self.states if s.rank.gpu == gpu]
 
+    def _owner(self, gpu: Gpu, j: int) -> _State:
+        """The rank of model `gpu` that owns Problem `j` (rank_process.search_order)."""
+        members = self._members(gpu)
+        return members[j % len(members)]
+
+    def _settled(self, gpu: Gpu) -> list[int]:
+        """The Problems their own rank of model `gpu` has searched: none is left to ask for (the
+        final round waits for the trials other ranks still hold)."""
+        return [j for j in range(len(self.problems)) if j in self._owner(gpu, j).searched]
+
     def _ready(self, state: _State) -> list[int]:
-        """Problems every rank of this model has searched, not yet handed out, that the rank of
-        `state` may take. One with Problems left to search takes none of the last ones (as many
+        """Problems searched by their own rank, not yet handed out, that the rank of `state` may
+        take, its own first. One with Problems left to search takes none of the last ones (as many
         as the model has ranks) before those are all searched: their final rounds then run side by
         side at the end. Handed out as they came, one GPU ran the last final round alone while the
         others, which had taken theirs during the last search, stood idle (1.6-1.8 s of a 22-s
         llama3-8b run on 2 x H200, 2026-11-26)."""
-        members = self._members(state.rank.gpu)
-        last = len(self.problems) - len(members)
-        return [
-            j
-            for j in range(len(self.problems))
-            if (state.rank.gpu, j) not in self.assigned
-            and all(j in s.searched for s in members)
-            and (j < last or not state.more)
+        gpu = state.rank.gpu
+        last = len(self.problems) - len(self._members(gpu))
+        ready = [
+            j for j in self._settled(gpu) if (gpu, j) not in self.assigned and (j < last or not state.more)
         ]
+        return sorted(ready, key=lambda j: self._owner(gpu, j) is not state)
 
     def _group_done(self, gpu: Gpu) -> bool:
         return all((gpu, j) in self.outcomes for j in range(len(self.problems)))
@@ -140,7 +154,7 @@ class _Host:
             state.finals += 1
             message: tuple = ("finalize", ready[0])
         elif state.more:
-            message = ("go",)
+            message = ("go", self._settled(gpu))
         elif self._group_done(gpu):
             message = ("stop",)
             state.done = True
@@ -170,7 +184,7 @@ class _Host:
         kind, *args = message
         gpu = state.rank.gpu
         if kind == "start":
-            state.current = args[0]
+            state.current = state.order.index(args[0])
             self.started.setdefault((gpu, args[0]), time.monotonic())
         elif kind == "progress":
             self.progress(gpu, args[0], args[1])
@@ -178,7 +192,7 @@ class _Host:
             searched, state.more = args
             if searched is not None:
                 state.searched.add(searched)
-                state.current = searched + 1
+                state.current = state.order.index(searched) + 1
             state.waiting = True
             self._answer_waiting(gpu)
         elif kind == "outcome":

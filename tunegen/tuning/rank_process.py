@@ -77,14 +77,23 @@ class HostHelpers:
             raise RuntimeError(f"the host sent {kind!r} during a final round")
 
 
+def search_order(problems: int, position: int, ranks: int) -> list[int]:
+    """The order in which the rank at `position` of its model's `ranks` goes through the Problems:
+    its own first (every `ranks`-th, from its position), searched as one GPU would search them, then
+    the others', where it takes a share of the trials their ranks have not yet asked for."""
+    own = list(range(position, problems, ranks))
+    return own + [j for j in range(problems) if j % ranks != position]
+
+
 def rank_main(
     rank: Rank, problems: list[Problem], options: TuneOptions, start: int, share: tuple[int, int], conn: Any
 ) -> None:
-    """A rank: search the Problems from `start` on, asking this host's process between Problems
-    whether to finish one (finalize), help finish another rank's, go on, or stop. Of its model's
-    `share` = (its position, the model's ranks) it times the peers of every so many Problems. It
-    talks through a pipe of its own, which dies with it: nothing it sent can be mistaken for its
-    successor's."""
+    """A rank: search the Problems in its `search_order` from position `start` on, asking this
+    host's process between Problems whether to finish one (finalize), help finish another rank's, go
+    on (told which Problems their own ranks have searched: skipped here), or stop. Of its model's
+    `share` = (its position, the model's ranks) it owns and times the peers of every so many
+    Problems. It talks through a pipe of its own, which dies with it: nothing it sent can be
+    mistaken for its successor's."""
     # Forked, it inherits the progress display's proxies of stdout and stderr: its warnings and
     # tracebacks go to the streams themselves, never through the display (or its lock).
     sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
@@ -107,14 +116,18 @@ def rank_main(
                 cuda = rank.gpu.backend == "cuda"
                 zygote = Zygote(functools.partial(warm_workers, rank) if cuda else None)
         position, ranks = share
-        peers = {p for j, p in enumerate(problems) if j % ranks == position}
+        order = search_order(len(problems), position, ranks)
+        peers = {problems[j] for j in range(position, len(problems), ranks)}
+        settled: set[int] = set()  # searched by the rank that owns them
+
+        def ahead(after: int) -> list[int]:
+            return [j for j in order[after:] if j not in settled]
+
         with raising(), Tuner(rank.gpu, options, times_peers=peers.__contains__, zygote=zygote) as tuner:
 
-            def checkpoint(searched: int | None, more: bool) -> str:
-                # the Problems searched next, whose trials compile during any final round
-                later = problems[searched + 1 :] if searched is not None else []
+            def checkpoint(searched: int | None, after: int) -> str:
                 conn.send(("spans", tuner.timeline.take()))
-                conn.send(("ready", searched, more))
+                conn.send(("ready", searched, bool(ahead(after))))
                 while True:
                     with tuner.timeline.span(TUNER, WAIT_HOST):
                         kind, *args = answer()
@@ -123,26 +136,35 @@ def rank_main(
                         conn.send(("helped", tuner.help_final(problems[j], payloads, index, rounds)))
                     elif kind == "finalize":
                         (j,) = args
+                        more = bool(ahead(after))
                         # Split into rounds only where it searches nothing after: a split costs
                         # its GPU a little (each finalist set up twice), and only at the end of
                         # a run does another rank wait with nothing to do.
                         helpers = HostHelpers(conn, answer, j) if ranks > 1 and not more else None
+                        # the Problems searched next, whose trials compile during the final round
+                        later = [problems[k] for k in ahead(after)]
                         conn.send(("outcome", j, tuner.finalize(problems[j], later=later, helpers=helpers)))
                     else:
+                        if kind == "go":
+                            settled.update(args[0])
                         conn.send(("spans", tuner.timeline.take()))
                         return kind
                     conn.send(("spans", tuner.timeline.take()))
-                    conn.send(("ready", None, more))
+                    conn.send(("ready", None, bool(ahead(after))))
 
-            for i in range(start, len(problems)):
+            told_more = True  # whether the host was last told of Problems left (or told nothing)
+            for step in range(start, len(order)):
+                i = order[step]
+                if i in settled:
+                    continue
                 conn.send(("start", i))
-                tuner.search(
-                    problems[i], lambda state, i=i: conn.send(("progress", i, state)), problems[i + 1 :]
-                )
-                if checkpoint(i, i + 1 < len(problems)) == "stop":
+                later = [problems[k] for k in ahead(step + 1)]
+                tuner.search(problems[i], lambda state, i=i: conn.send(("progress", i, state)), later)
+                told_more = bool(ahead(step + 1))
+                if checkpoint(i, step + 1) == "stop":
                     return
-            if start >= len(problems):
-                checkpoint(None, False)
+            if told_more:
+                checkpoint(None, len(order))
     except Interrupted as exc:  # its trials went back to the study as the Tuner closed
         raise SystemExit(exc.exit_code) from None
     except Exception as exc:
