@@ -5,6 +5,7 @@ again), on SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing
 import os
@@ -120,39 +121,50 @@ def _no_trial_left_running(url):
         assert not [t.number for t in _trials(url, problem) if t.state == TrialState.RUNNING]
 
 
+def _held(url, pid):
+    """The trials the process `pid` holds a claim on, by Problem index (those holding any)."""
+    held = []
+    for k, problem in enumerate(PROBLEMS):
+        trials = _trials(url, problem, made=False)
+        numbers = [t.number for t in trials if holds_claim(t) and f":{pid}:" in t.user_attrs["owner"]]
+        if numbers:
+            held.append((k, numbers))
+    return held
+
+
+def _kill_if_holding(url, pid):
+    """Kill the process `pid` if it holds a trial, looked at while it is stopped: a held trial
+    cannot be concluded between the look and the kill (pruned just after its claim was written,
+    or evaluated). What it held."""
+    os.kill(pid, signal.SIGSTOP)
+    held = []
+    try:
+        held = _held(url, pid)
+    finally:
+        os.kill(pid, signal.SIGKILL if held else signal.SIGCONT)
+    return held
+
+
 def _kill_while_holding(url, done, killed):
-    """Until `done`, look at rank 1's claims every 0.1 s and kill it once it holds a trial of either
-    Problem (it holds the next one's first trials while it finishes one), noting them in `killed`.
-    Polled rather than hooked on progress reports, which may all come while it holds none."""
+    """Until `done`, look at the ranks' claims every 0.1 s and kill the first rank seen holding a
+    trial, noting what it held in `killed`. Polled rather than hooked on progress reports, which
+    may all come while a rank holds none; looked at while the ranks run, since a rank stopped at
+    every look fell behind the other, which took all its trials."""
     while not (killed or done.wait(0.1)):
-        victim = next((p for p in multiprocessing.active_children() if p.name == "tunegen-gpu1"), None)
-        if victim is None:
-            continue
-        # Stopped while its trials are read: a held trial cannot be concluded between the look
-        # and the kill (pruned just after its claim was written, or evaluated).
-        os.kill(victim.pid, signal.SIGSTOP)
-        try:
-            held = [
-                (k, numbers)
-                for k, problem in enumerate(PROBLEMS)
-                if (
-                    numbers := [
-                        t.number
-                        for t in _trials(url, problem, made=False)
-                        if holds_claim(t) and f":{victim.pid}:" in t.user_attrs["owner"]
-                    ]
-                )
-            ]
-        except sqlalchemy.exc.OperationalError:  # stopped while it wrote: the database stays locked
-            held = []
-        os.kill(victim.pid, signal.SIGKILL if held else signal.SIGCONT)
-        killed.extend(held)
+        for rank in [p for p in multiprocessing.active_children() if p.name.startswith("tunegen-gpu")]:
+            # Gone: it ended and was reaped meanwhile. Locked: stopped while it wrote.
+            with contextlib.suppress(ProcessLookupError, sqlalchemy.exc.OperationalError):
+                if _held(url, rank.pid):
+                    killed.extend(_kill_if_holding(url, rank.pid))
+            if killed:
+                return
 
 
 @pytest.mark.parametrize("kill", [False, True], ids=["both-live", "one-killed"])
 def test_two_stand_ins_divide_the_trials(tmp_path, kill):
-    """Two ranks share each Problem's study: every Variant evaluated once, both take part, each
-    Problem finished once. Killed mid-trial, a rank is replaced and its trials do not stay running."""
+    """Two ranks, each owning one Problem and joining the other's: every Variant evaluated once,
+    both take part, each Problem finished once. Killed mid-trial, a rank is replaced and its trials
+    do not stay running."""
     url = f"sqlite:///{tmp_path / 'host.db'}"
     options = dataclasses.replace(FAST, url=url)
     ranks = [placement.Rank(i, None, GPU) for i in range(2)]

@@ -136,13 +136,12 @@ def rank_main(
                         conn.send(("helped", tuner.help_final(problems[j], payloads, index, rounds)))
                     elif kind == "finalize":
                         (j,) = args
-                        more = bool(ahead(after))
+                        # the Problems searched next, whose trials compile during the final round
+                        later = [problems[k] for k in ahead(after)]
                         # Split into rounds only where it searches nothing after: a split costs
                         # its GPU a little (each finalist set up twice), and only at the end of
                         # a run does another rank wait with nothing to do.
-                        helpers = HostHelpers(conn, answer, j) if ranks > 1 and not more else None
-                        # the Problems searched next, whose trials compile during the final round
-                        later = [problems[k] for k in ahead(after)]
+                        helpers = HostHelpers(conn, answer, j) if ranks > 1 and not later else None
                         conn.send(("outcome", j, tuner.finalize(problems[j], later=later, helpers=helpers)))
                     else:
                         if kind == "go":
