@@ -17,10 +17,10 @@ GPU = interpreter_gpu()
 
 
 def test_each_rank_searches_its_own_problems_first_then_joins_the_others():
-    assert rank_process.search_order(5, 0, 2) == [0, 2, 4, 1, 3]
-    assert rank_process.search_order(5, 1, 2) == [1, 3, 0, 2, 4]
+    assert rank_process.search_order(5, 0, 2) == [0, 2, 4, 3, 1]
+    assert rank_process.search_order(5, 1, 2) == [1, 3, 4, 2, 0], "the others' last first"
     assert rank_process.search_order(3, 0, 1) == [0, 1, 2]
-    assert rank_process.search_order(2, 2, 3) == [0, 1], "more ranks than Problems: it only joins"
+    assert rank_process.search_order(2, 2, 3) == [1, 0], "more ranks than Problems: it only joins"
 
 
 class _Conn:
@@ -69,9 +69,9 @@ def test_a_rank_skips_the_problems_their_own_ranks_have_searched(monkeypatch):
     with contextlib.suppress(SystemExit):
         rank_process.rank_main(placement.Rank(1, None, GPU), problems, TuneOptions(), 0, (1, 2), conn)
     assert [(problems.index(p), [problems.index(q) for q in later]) for p, later in _Tuner.searches] == [
-        (1, [3, 0, 2]),
+        (1, [3, 2, 0]),
         (3, [2]),
-    ], "its own Problems, then only the others' that are not settled: none is left after 3"
+    ], "its own Problems, then the others' that are not settled, last first: 2 is left after 3"
     assert conn.sent == [
         ("start", 1),
         ("ready", 1, True),

@@ -4,8 +4,8 @@ Each GPU gets a process of its own (a rank): a Tuner whose timing worker and com
 only that GPU. Each rank of a model owns every so many of the Problems and searches those first,
 alone, as one GPU would (a search shared by two GPUs asks for twice the trials before any result
 is known, and its Winner came out 5-9% slower on one Problem in three of four runs, 2 x H200,
-2026-11-27); then it goes through the other ranks' Problems, taking a share of the trials not yet
-asked for (rank_process.search_order). Sharing is the fleet mechanism of study.py, on whatever
+2026-11-27); then it goes through the other ranks' Problems, last first, taking the trials not
+yet asked for (rank_process.search_order). Sharing is the fleet mechanism of study.py, on whatever
 store is configured: ranks divide a study's trials without duplicates. GPUs of different models are
 separate Gpu identities, each tuning every Problem for itself. This process shows the progress, and
 once a Problem's own rank has searched it, hands its final round (waiting for the trials other

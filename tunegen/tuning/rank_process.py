@@ -80,9 +80,11 @@ class HostHelpers:
 def search_order(problems: int, position: int, ranks: int) -> list[int]:
     """The order in which the rank at `position` of its model's `ranks` goes through the Problems:
     its own first (every `ranks`-th, from its position), searched as one GPU would search them, then
-    the others', where it takes a share of the trials their ranks have not yet asked for."""
+    the others', last first, where it takes the trials their ranks have not yet asked for. Last
+    first, as work is stolen: one its rank has not reached yet is searched here alone, where joining
+    the one that rank searches would ask for trials blind beside it."""
     own = list(range(position, problems, ranks))
-    return own + [j for j in range(problems) if j % ranks != position]
+    return own + [j for j in reversed(range(problems)) if j % ranks != position]
 
 
 def rank_main(
