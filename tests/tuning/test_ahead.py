@@ -8,6 +8,7 @@ import collections
 import concurrent.futures
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -245,3 +246,39 @@ def test_the_command_exits_with_its_code_its_output_flushed_and_its_exit_handler
     assert done.stdout == "unflushed output"
     assert marker.read_text() == "yes"
     assert done.stderr == ("stopped\n" if status == 1 else "")
+
+
+class _Settling(final.FinalRound):
+    """The part of a Tuner that a final round's wait for other processes' trials drives: what is
+    in flight; what it tells the studies and queues on the GPU is collected."""
+
+    def __init__(self):
+        self.flight = Flight(2)
+        self.told, self.queued = [], []
+
+    def _take(self, done, current, progress):
+        for future in done:
+            if future in self.flight.compiling:
+                pending = self.flight.compiling.pop(future)
+                self.flight.ready.setdefault(pending.problem, collections.deque()).append(pending)
+            else:
+                self.told.append(self.flight.timing.pop(future).problem)
+
+    def _on_gpu_queue(self, pending):
+        self.queued.append(pending.problem)
+
+
+def test_a_final_round_waiting_for_other_processes_times_its_own_trials_meanwhile():
+    """Its trials of a later Problem go to the GPU and are told as they come: the process it waits
+    for may be waiting, in its own final round, for exactly those (both waited 15 minutes)."""
+    tuner = _Settling()
+    compiling, timed = concurrent.futures.Future(), concurrent.futures.Future()
+    tuner.flight.compiling[compiling] = Pending(PROBLEMS[1], object(), None, {})
+    tuner.flight.timing[timed] = Pending(PROBLEMS[0], object(), None, {})
+    threading.Timer(0.1, compiling.set_result, [{"status": "ok"}]).start()
+    threading.Timer(0.2, timed.set_result, [{"status": "ok"}]).start()
+    start = time.monotonic()
+    tuner._time_own(0.5)
+    assert 0.5 <= time.monotonic() - start < 0.5 + 2 * SLICE_S
+    assert tuner.queued == [PROBLEMS[1]] and tuner.told == [PROBLEMS[0]]
+    assert not tuner.flight.futures(), "nothing left in flight to wait on: the rest of the wait sleeps"

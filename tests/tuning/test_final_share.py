@@ -217,10 +217,11 @@ def test_the_host_hands_an_offered_round_to_a_rank_with_nothing_left_to_do():
 def test_a_round_on_offer_goes_to_the_first_rank_left_with_nothing_to_do():
     run = _host()
     finalizer, searching, late = run.states
+    run.assigned.add((GPU, 0))  # the finalizer's final round
     run._handle(finalizer, ("offer", 0, PAYLOADS))
     assert finalizer.conn.sent == [("offered", False)]
     run._handle(searching, ("ready", 0, True))
-    assert searching.conn.sent == [("go", [])], "a rank with Problems to search goes on"
+    assert searching.conn.sent == [("go", [0])], "a rank with Problems to search goes on"
     run._handle(late, ("ready", None, False))
     assert late.conn.sent == [("help", 0, PAYLOADS, 1, ROUNDS)] and finalizer.conn.sent[-1] == ("taken",)
     run._handle(finalizer, ("withdraw",))
@@ -234,7 +235,7 @@ def test_a_round_on_offer_goes_to_the_first_rank_left_with_nothing_to_do():
     run._handle(finalizer, ("withdraw",))
     assert finalizer.conn.sent[-2:] == [("helped", ["again"]), ("helpers", 1)]
     run._handle(searching, ("ready", None, False))
-    assert len(late.conn.sent) == 2 and searching.conn.sent == [("go", [])], "nothing on offer now"
+    assert len(late.conn.sent) == 2 and searching.conn.sent == [("go", [0])], "nothing on offer now"
 
 
 def test_a_helper_that_dies_counts_as_none_and_a_finalizer_started_again_gets_nothing(monkeypatch):

@@ -227,15 +227,16 @@ def _two_ranks(problems):
     return *run.states, say
 
 
-def test_a_problem_s_final_round_is_handed_out_once_its_own_rank_has_searched_it():
+def test_a_problem_s_final_round_is_handed_out_once_a_rank_has_searched_it():
     """Not once every rank has been through it: a rank that owns no Problem near the end would hold
-    it back. The others are told which Problems are settled, and skip them."""
-    a, b, say = _two_ranks([0, 1, 0])
+    it back. A Problem another rank took before its owner reached it is settled too. The ranks
+    still searching are told which Problems are settled, and skip them."""
+    a, b, say = _two_ranks([0, 1, 0])  # a owns Problems 0 and 2, b owns 1 and takes 2 after
     assert say(a, 0, True) == [("finalize", 0)], "searched by its own rank, b has not been through it"
     assert say(b, 1, True) == [("go", [0, 1])], "one of the last two while b searches on; 0 is settled"
-    assert say(a, None, True) == [("go", [0, 1])]
-    assert say(a, 2, False) == [("finalize", 2)], "a done searching takes a last one, its own first"
-    assert say(b, 2, False) == [("finalize", 1)], "and b the other, side by side"
+    assert say(b, 2, False) == [("finalize", 1)], "b, done, takes a last one, its own first"
+    assert say(a, None, True) == [("go", [0, 1, 2])], "2 was searched by b: a skips it"
+    assert say(a, None, False) == [("finalize", 2)], "and takes the other last one, side by side"
     assert (a.finals, b.finals) == (2, 1)
 
 

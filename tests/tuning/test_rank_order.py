@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import types
+import typing
+
+import pytest
 
 from helpers import tiny_problems
 from tunegen.kernels.gpu import interpreter_gpu
@@ -43,10 +47,13 @@ class _Conn:
 
 class _Tuner:
     """What rank_main asks of its Tuner: the searches it makes, with the Problems searched after,
-    and whose peers it times."""
+    whose peers it times, and which Problems it holds trials of (`held`, set by the test)."""
+
+    held: typing.ClassVar[set] = set()
 
     def __init__(self, gpu, options, *, times_peers, zygote) -> None:
         self.timeline = Timeline()
+        self.flight = types.SimpleNamespace(holds=lambda problem: problem in _Tuner.held)
         _Tuner.times_peers = times_peers
         _Tuner.searches = []
 
@@ -60,23 +67,25 @@ class _Tuner:
         _Tuner.searches.append((problem, list(later)))
 
 
-def test_a_rank_skips_the_problems_their_own_ranks_have_searched(monkeypatch):
-    monkeypatch.setattr(rank_process, "Tuner", _Tuner)
-    monkeypatch.setattr(rank_process, "usable", lambda: False)
+@pytest.mark.parametrize("held", [False, True], ids=["nothing-held", "trials-held"])
+def test_a_rank_skips_the_problems_another_rank_has_searched(monkeypatch, held):
+    """Unless it holds trials of one, asked ahead: another rank's final round waits for them."""
     first, second = tiny_problems()
     problems = [first, second, dataclasses.replace(first, batch=3), dataclasses.replace(second, batch=3)]
+    monkeypatch.setattr(rank_process, "Tuner", _Tuner)
+    monkeypatch.setattr(rank_process, "usable", lambda: False)
+    monkeypatch.setattr(_Tuner, "held", {problems[2]} if held else set())
     conn = _Conn(("go", [0, 1]), ("go", [0, 1, 2, 3]), ("stop",))
     with contextlib.suppress(SystemExit):
         rank_process.rank_main(placement.Rank(1, None, GPU), problems, TuneOptions(), 0, (1, 2), conn)
-    assert [(problems.index(p), [problems.index(q) for q in later]) for p, later in _Tuner.searches] == [
-        (1, [3, 2, 0]),
-        (3, [2]),
-    ], "its own Problems, then the others' that are not settled, last first: 2 is left after 3"
+    searched = [(problems.index(p), [problems.index(q) for q in later]) for p, later in _Tuner.searches]
+    # its own Problems, then the others' that are not settled, last first: 2 is left after 3
+    assert searched == [(1, [3, 2, 0]), (3, [2])] + ([(2, [])] if held else [])
     assert conn.sent == [
         ("start", 1),
         ("ready", 1, True),
         ("start", 3),
         ("ready", 3, True),
-        ("ready", None, False),
+        *([("start", 2), ("ready", 2, False)] if held else [("ready", None, False)]),
     ]
     assert [j for j, p in enumerate(problems) if _Tuner.times_peers(p)] == [1, 3], "it times its own peers"

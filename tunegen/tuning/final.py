@@ -92,13 +92,27 @@ class FinalRound:
 
     def _time_compiled(self) -> None:
         """Queue on the GPU the trials compiled meanwhile (the next Problem's), all of them past
-        GPU_QUEUE, ahead of this one's final round: the processes sharing their study could run
-        out of trials to take while these wait (on 2 x H200 the other GPU idled 3 s at a run's
-        end for eight of them)."""
-        self._take({f for f in self.flight.compiling if f.done()}, None, None)
+        GPU_QUEUE, ahead of this one's final round, and tell the studies what those timed found:
+        the processes sharing their study could run out of trials to take while these wait (on
+        2 x H200 the other GPU idled 3 s at a run's end for eight of them)."""
+        self._take({f for f in self.flight.futures() if f.done()}, None, None)
         for ready in self.flight.ready.values():
             while ready:
                 self._on_gpu_queue(ready.popleft())
+
+    def _time_own(self, seconds: float) -> None:
+        """Wait `seconds` (stopped by a signal), timing this process's own trials in flight
+        meanwhile: the process whose trials this one waits for may itself be waiting, in a final
+        round of its own, for trials this one asked for ahead."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            check()
+            futures = self.flight.futures()
+            if not futures:
+                pause(left)
+                return
+            concurrent.futures.wait(futures, min(left, SLICE_S), concurrent.futures.FIRST_COMPLETED)
+            self._time_compiled()
 
     def _peer_measured(self, study: optuna.Study, problem: Problem, result: dict[str, Any]) -> None:
         """Keep the fastest peer's time (for the progress line and the Winner's record), and share
@@ -161,7 +175,7 @@ class FinalRound:
                     # it leaves one running, which fail_stale fails `grace_s` after it began.
                     if not study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
                         break
-                    pause(min(1.0, opts.heartbeat_s))
+                    self._time_own(min(1.0, opts.heartbeat_s))
             if studies.claimed(study) >= opts.trials or not study.get_trials(
                 deepcopy=False, states=(TrialState.WAITING,)
             ):

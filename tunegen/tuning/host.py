@@ -7,12 +7,13 @@ is known, and its Winner came out 5-9% slower on one Problem in three of four ru
 2026-11-27); then it goes through the other ranks' Problems, last first, taking the trials not
 yet asked for (rank_process.search_order). Sharing is the fleet mechanism of study.py, on whatever
 store is configured: ranks divide a study's trials without duplicates. GPUs of different models are
-separate Gpu identities, each tuning every Problem for itself. This process shows the progress, and
-once a Problem's own rank has searched it, hands its final round (waiting for the trials other
-ranks still hold, re-timing the finalists, recording the Winner) to a rank of its model
-(`_takes_final`), while the others go on; a rank of that model with nothing left to do takes over
-a round of its finalists' re-timings (`_hand`, retiming.py). A rank that dies is started again
-where it was; its trials are failed by the heartbeat and queued again (study.py).
+separate Gpu identities, each tuning every Problem for itself. This process shows the progress,
+and once a rank has searched a Problem (none is left to ask for), tells the others to skip it and
+hands its final round (waiting for the trials other ranks still hold, re-timing the finalists,
+recording the Winner) to a rank of its model (`_takes_final`), while the others go on; a rank of
+that model with nothing left to do takes over a round of its finalists' re-timings (`_hand`,
+retiming.py). A rank that dies is started again where it was; its trials are failed by the
+heartbeat and queued again (study.py).
 """
 
 from __future__ import annotations
@@ -124,13 +125,17 @@ class _Host:
         return members[j % len(members)]
 
     def _settled(self, gpu: Gpu) -> list[int]:
-        """The Problems their own rank of model `gpu` has searched: none is left to ask for (the
-        final round waits for the trials other ranks still hold)."""
-        return [j for j in range(len(self.problems)) if j in self._owner(gpu, j).searched]
+        """The Problems a rank of model `gpu` has searched: a search ends once the Problem has no
+        trial left to ask for (or hit this process's limits, which end the Problem's search), so
+        none is left for another rank; the final round waits for the trials they still hold. Its
+        owner need not come by: a Problem taken by another rank before its owner reached it would
+        wait for it."""
+        members = self._members(gpu)
+        return [j for j in range(len(self.problems)) if any(j in s.searched for s in members)]
 
     def _ready(self, state: _State) -> list[int]:
-        """Problems searched by their own rank, not yet handed out, that the rank of `state` may
-        take, its own first. One with Problems left to search takes none of the last ones (as many
+        """Problems searched (`_settled`), not yet handed out, that the rank of `state` may take,
+        its own first. One with Problems left to search takes none of the last ones (as many
         as the model has ranks) before those are all searched: their final rounds then run side by
         side at the end. Handed out as they came, one GPU ran the last final round alone while the
         others, which had taken theirs during the last search, stood idle (1.6-1.8 s of a 22-s

@@ -120,12 +120,14 @@ def rank_main(
         position, ranks = share
         order = search_order(len(problems), position, ranks)
         peers = {problems[j] for j in range(position, len(problems), ranks)}
-        settled: set[int] = set()  # searched by the rank that owns them
-
-        def ahead(after: int) -> list[int]:
-            return [j for j in order[after:] if j not in settled]
+        settled: set[int] = set()  # searched by a rank: none left to ask for
 
         with raising(), Tuner(rank.gpu, options, times_peers=peers.__contains__, zygote=zygote) as tuner:
+
+            def ahead(after: int) -> list[int]:
+                """The Problems left to search after position `after`: not settled, or holding
+                trials asked ahead here (which another rank's final round waits for)."""
+                return [j for j in order[after:] if j not in settled or tuner.flight.holds(problems[j])]
 
             def checkpoint(searched: int | None, after: int) -> str:
                 conn.send(("spans", tuner.timeline.take()))
@@ -156,7 +158,7 @@ def rank_main(
             told_more = True  # whether the host was last told of Problems left (or told nothing)
             for step in range(start, len(order)):
                 i = order[step]
-                if i in settled:
+                if i not in ahead(step):
                     continue
                 conn.send(("start", i))
                 later = [problems[k] for k in ahead(step + 1)]
