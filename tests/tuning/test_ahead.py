@@ -282,3 +282,10 @@ def test_a_final_round_waiting_for_other_processes_times_its_own_trials_meanwhil
     assert 0.5 <= time.monotonic() - start < 0.5 + 2 * SLICE_S
     assert tuner.queued == [PROBLEMS[1]] and tuner.told == [PROBLEMS[0]]
     assert not tuner.flight.futures(), "nothing left in flight to wait on: the rest of the wait sleeps"
+
+
+def test_a_final_round_waiting_queues_its_compiled_trials_with_nothing_in_flight():
+    tuner = _Settling()
+    tuner.flight.ready[PROBLEMS[1]] = collections.deque([Pending(PROBLEMS[1], object(), None, {})])
+    tuner._time_own(0.1)
+    assert tuner.queued == [PROBLEMS[1]], "a compiled trial another final round may wait for"

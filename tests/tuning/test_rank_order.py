@@ -46,8 +46,9 @@ class _Conn:
 
 
 class _Tuner:
-    """What rank_main asks of its Tuner: the searches it makes, with the Problems searched after,
-    whose peers it times, and which Problems it holds trials of (`held`, set by the test)."""
+    """What rank_main asks of its Tuner: the searches and final rounds it makes, with the Problems
+    searched after, the Problems it is told are settled, whose peers it times, and which Problems
+    it holds trials of (`held`, set by the test)."""
 
     held: typing.ClassVar[set] = set()
 
@@ -55,7 +56,7 @@ class _Tuner:
         self.timeline = Timeline()
         self.flight = types.SimpleNamespace(holds=lambda problem: problem in _Tuner.held)
         _Tuner.times_peers = times_peers
-        _Tuner.searches = []
+        _Tuner.searches, _Tuner.finals, _Tuner.settled = [], [], []
 
     def __enter__(self):
         return self
@@ -66,26 +67,66 @@ class _Tuner:
     def search(self, problem, progress, later) -> None:
         _Tuner.searches.append((problem, list(later)))
 
+    def finalize(self, problem, *, later, helpers):
+        _Tuner.finals.append((problem, list(later)))
+
+    def settle(self, problem) -> None:
+        _Tuner.settled.append(problem)
+
+
+def _run(monkeypatch, problems, answers, *, held=(), settled=()):
+    """rank_main as rank 1 of 2 over `problems`, the host answering `answers` in turn; what it sent
+    the host, and its searches and final rounds as (Problem index, indices searched after)."""
+    monkeypatch.setattr(rank_process, "Tuner", _Tuner)
+    monkeypatch.setattr(rank_process, "usable", lambda: False)
+    monkeypatch.setattr(_Tuner, "held", {problems[k] for k in held})
+    conn = _Conn(*answers)
+    with contextlib.suppress(SystemExit):
+        rank = placement.Rank(1, None, GPU)
+        rank_process.rank_main(rank, problems, TuneOptions(), 0, (1, 2), conn, settled)
+
+    def indices(calls):
+        return [(problems.index(p), [problems.index(q) for q in later]) for p, later in calls]
+
+    return conn.sent, indices(_Tuner.searches), indices(_Tuner.finals)
+
+
+def _four():
+    first, second = tiny_problems()
+    return [first, second, dataclasses.replace(first, batch=3), dataclasses.replace(second, batch=3)]
+
 
 @pytest.mark.parametrize("held", [False, True], ids=["nothing-held", "trials-held"])
 def test_a_rank_skips_the_problems_another_rank_has_searched(monkeypatch, held):
-    """Unless it holds trials of one, asked ahead: another rank's final round waits for them."""
-    first, second = tiny_problems()
-    problems = [first, second, dataclasses.replace(first, batch=3), dataclasses.replace(second, batch=3)]
-    monkeypatch.setattr(rank_process, "Tuner", _Tuner)
-    monkeypatch.setattr(rank_process, "usable", lambda: False)
-    monkeypatch.setattr(_Tuner, "held", {problems[2]} if held else set())
-    conn = _Conn(("go", [0, 1]), ("go", [0, 1, 2, 3]), ("stop",))
-    with contextlib.suppress(SystemExit):
-        rank_process.rank_main(placement.Rank(1, None, GPU), problems, TuneOptions(), 0, (1, 2), conn)
-    searched = [(problems.index(p), [problems.index(q) for q in later]) for p, later in _Tuner.searches]
+    """Unless it holds trials of one, asked ahead: another rank's final round waits for them. It
+    asks for no more of those (`settle`)."""
+    problems = _four()
+    answers = [("go", [0, 1]), ("go", [0, 1, 2, 3]), ("stop",)]
+    sent, searched, _ = _run(monkeypatch, problems, answers, held=[2] if held else [])
     # its own Problems, then the others' that are not settled, last first: 2 is left after 3
     assert searched == [(1, [3, 2, 0]), (3, [2])] + ([(2, [])] if held else [])
-    assert conn.sent == [
+    assert sent == [
         ("start", 1),
         ("ready", 1, True),
         ("start", 3),
         ("ready", 3, True),
         *([("start", 2), ("ready", 2, False)] if held else [("ready", None, False)]),
     ]
+    assert _Tuner.settled == [problems[k] for k in [0, 1, 0, 1, 2, 3]]
     assert [j for j, p in enumerate(problems) if _Tuner.times_peers(p)] == [1, 3], "it times its own peers"
+
+
+def test_a_final_round_asks_ahead_for_what_is_left_but_its_own_problem(monkeypatch):
+    """Handed Problem 0 (its owner searched it) before any "go" named it settled: the final round
+    does not ask ahead for Problem 0 itself, nor does the rank search it after."""
+    problems = _four()
+    sent, searched, finals = _run(monkeypatch, problems, [("finalize", 0), ("go", [0, 1]), ("stop",)])
+    assert finals == [(0, [3, 2])]
+    assert searched == [(1, [3, 2, 0]), (3, [2])]
+    assert ("start", 0) not in sent and ("outcome", 0, None) in sent
+
+
+def test_a_rank_started_again_skips_what_was_settled_before(monkeypatch):
+    sent, searched, _ = _run(monkeypatch, _four(), [("go", [0, 1, 2]), ("stop",)], settled=[0, 2])
+    assert searched == [(1, [3]), (3, [])], "2 and 0, settled, are neither searched nor asked ahead"
+    assert sent[:2] == [("start", 1), ("ready", 1, True)]

@@ -74,6 +74,9 @@ class FinalRound:
         asked for and compile (`_search_ahead`): the Outcome's wall time includes them."""
         start = time.monotonic() if start is None else start
         study = self._study(problem)
+        # Asked for ahead and settled since (`settle`), its asks start afresh: the final round may
+        # search for what a dead process left.
+        self._asks.pop(problem, None)
         self._time_compiled()
         self._settle(study, problem, progress)
         self._time_compiled()
@@ -107,12 +110,19 @@ class FinalRound:
         deadline = time.monotonic() + seconds
         while (left := deadline - time.monotonic()) > 0:
             check()
+            self._time_compiled()
             futures = self.flight.futures()
             if not futures:
                 pause(left)
                 return
             concurrent.futures.wait(futures, min(left, SLICE_S), concurrent.futures.FIRST_COMPLETED)
-            self._time_compiled()
+        self._time_compiled()
+
+    def settle(self, problem: Problem) -> None:
+        """Ask for no more trials of `problem`, which another process has searched (its final round
+        may have begun); those this process asked for ahead are still compiled and timed."""
+        if problem in self._asks:
+            self._asks[problem].more = False
 
     def _peer_measured(self, study: optuna.Study, problem: Problem, result: dict[str, Any]) -> None:
         """Keep the fastest peer's time (for the progress line and the Winner's record), and share

@@ -105,7 +105,8 @@ class _Host:
         )
         members = self._members(state.rank.gpu)
         share = (members.index(state), len(members))
-        args = (state.rank, self.problems, options, state.current, share, child)
+        settled = self._settled(state.rank.gpu)  # to skip, for one started again
+        args = (state.rank, self.problems, options, state.current, share, child, settled)
         # Signals wait until the rank can give its trials back (`raising` in rank_main).
         with environment("CUDA_VISIBLE_DEVICES", state.rank.visible), blocked(), warnings.catch_warnings():
             # Python 3.12 warns of any fork from a process with threads; see __init__ for why not here.

@@ -9,7 +9,7 @@ import functools
 import multiprocessing
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tunegen.kernels.compiler import warm_compiler
@@ -88,13 +88,19 @@ def search_order(problems: int, position: int, ranks: int) -> list[int]:
 
 
 def rank_main(
-    rank: Rank, problems: list[Problem], options: TuneOptions, start: int, share: tuple[int, int], conn: Any
+    rank: Rank,
+    problems: list[Problem],
+    options: TuneOptions,
+    start: int,
+    share: tuple[int, int],
+    conn: Any,
+    settled: Sequence[int] = (),
 ) -> None:
     """A rank: search the Problems in its `search_order` from position `start` on, asking this
     host's process between Problems whether to finish one (finalize), help finish another rank's, go
-    on (told which Problems their own ranks have searched: skipped here), or stop. Of its model's
-    `share` = (its position, the model's ranks) it owns and times the peers of every so many
-    Problems. It talks through a pipe of its own, which dies with it: nothing it sent can be
+    on (told which Problems a rank has searched, `settled` ones included: skipped here), or stop.
+    Of its model's `share` = (its position, the model's ranks) it owns and times the peers of every
+    so many Problems. It talks through a pipe of its own, which dies with it: nothing it sent can be
     mistaken for its successor's."""
     # Forked, it inherits the progress display's proxies of stdout and stderr: its warnings and
     # tracebacks go to the streams themselves, never through the display (or its lock).
@@ -120,7 +126,7 @@ def rank_main(
         position, ranks = share
         order = search_order(len(problems), position, ranks)
         peers = {problems[j] for j in range(position, len(problems), ranks)}
-        settled: set[int] = set()  # searched by a rank: none left to ask for
+        settled = set(settled)  # searched by a rank: none left to ask for
 
         with raising(), Tuner(rank.gpu, options, times_peers=peers.__contains__, zygote=zygote) as tuner:
 
@@ -140,8 +146,9 @@ def rank_main(
                         conn.send(("helped", tuner.help_final(problems[j], payloads, index, rounds)))
                     elif kind == "finalize":
                         (j,) = args
+                        settled.add(j)
                         # the Problems searched next, whose trials compile during the final round
-                        later = [problems[k] for k in ahead(after)]
+                        later = [problems[k] for k in ahead(after) if k != j]
                         # Split into rounds only where it searches nothing after: a split costs
                         # its GPU a little (each finalist set up twice), and only at the end of
                         # a run does another rank wait with nothing to do.
@@ -150,6 +157,8 @@ def rank_main(
                     else:
                         if kind == "go":
                             settled.update(args[0])
+                            for k in args[0]:
+                                tuner.settle(problems[k])
                         conn.send(("spans", tuner.timeline.take()))
                         return kind
                     conn.send(("spans", tuner.timeline.take()))
