@@ -37,7 +37,7 @@ from tunegen.tuning.final import Outcome
 from tunegen.tuning.interrupt import blocked, check, raising
 from tunegen.tuning.opening import create_studies
 from tunegen.tuning.options import MAX_SEED
-from tunegen.tuning.rank_process import POLL_S, rank_main, search_order
+from tunegen.tuning.rank_process import POLL_S, owner, rank_main, search_order
 from tunegen.tuning.ranks import Rank, cores
 from tunegen.tuning.retiming import ROUNDS
 from tunegen.tuning.timeline import Span
@@ -121,9 +121,9 @@ class _Host:
         return [s for s in self.states if s.rank.gpu == gpu]
 
     def _owner(self, gpu: Gpu, j: int) -> _State:
-        """The rank of model `gpu` that owns Problem `j` (rank_process.search_order)."""
+        """The rank of model `gpu` that owns Problem `j`."""
         members = self._members(gpu)
-        return members[j % len(members)]
+        return members[owner(j, len(members))]
 
     def _settled(self, gpu: Gpu) -> list[int]:
         """The Problems a rank of model `gpu` has searched: a search ends once the Problem has no

@@ -77,14 +77,19 @@ class HostHelpers:
             raise RuntimeError(f"the host sent {kind!r} during a final round")
 
 
+def owner(problem: int, ranks: int) -> int:
+    """The position, among its model's `ranks`, of the rank that owns Problem index `problem`."""
+    return problem % ranks
+
+
 def search_order(problems: int, position: int, ranks: int) -> list[int]:
     """The order in which the rank at `position` of its model's `ranks` goes through the Problems:
-    its own first (every `ranks`-th, from its position), searched as one GPU would search them, then
-    the others', last first, where it takes the trials their ranks have not yet asked for. Last
-    first, as work is stolen: one its rank has not reached yet is searched here alone, where joining
-    the one that rank searches would ask for trials blind beside it."""
-    own = list(range(position, problems, ranks))
-    return own + [j for j in reversed(range(problems)) if j % ranks != position]
+    its own first, searched as one GPU would search them, then the others', last first, where it
+    takes the trials their ranks have not yet asked for. Last first, as work is stolen: one its rank
+    has not reached yet is searched here alone, where joining the one that rank searches would ask
+    for trials blind beside it."""
+    own = [j for j in range(problems) if owner(j, ranks) == position]
+    return own + [j for j in reversed(range(problems)) if owner(j, ranks) != position]
 
 
 def rank_main(
@@ -125,15 +130,18 @@ def rank_main(
                 zygote = Zygote(functools.partial(warm_workers, rank) if cuda else None)
         position, ranks = share
         order = search_order(len(problems), position, ranks)
-        peers = {problems[j] for j in range(position, len(problems), ranks)}
+        peers = {p for j, p in enumerate(problems) if owner(j, ranks) == position}
         settled = set(settled)  # searched by a rank: none left to ask for
 
         with raising(), Tuner(rank.gpu, options, times_peers=peers.__contains__, zygote=zygote) as tuner:
 
+            def left(j: int) -> bool:
+                """Whether Problem `j` is left to search here: not settled, or holding trials asked
+                ahead here (which another rank's final round waits for)."""
+                return j not in settled or tuner.flight.holds(problems[j])
+
             def ahead(after: int) -> list[int]:
-                """The Problems left to search after position `after`: not settled, or holding
-                trials asked ahead here (which another rank's final round waits for)."""
-                return [j for j in order[after:] if j not in settled or tuner.flight.holds(problems[j])]
+                return [j for j in order[after:] if left(j)]
 
             def checkpoint(searched: int | None, after: int) -> str:
                 conn.send(("spans", tuner.timeline.take()))
@@ -164,19 +172,18 @@ def rank_main(
                     conn.send(("spans", tuner.timeline.take()))
                     conn.send(("ready", None, bool(ahead(after))))
 
-            told_more = True  # whether the host was last told of Problems left (or told nothing)
             for step in range(start, len(order)):
                 i = order[step]
-                if i not in ahead(step):
+                if not left(i):
                     continue
                 conn.send(("start", i))
                 later = [problems[k] for k in ahead(step + 1)]
                 tuner.search(problems[i], lambda state, i=i: conn.send(("progress", i, state)), later)
-                told_more = bool(ahead(step + 1))
                 if checkpoint(i, step + 1) == "stop":
                     return
-            if told_more:
-                checkpoint(None, len(order))
+            # Here the host was last told of Problems left (a rank told none is never told to go
+            # on: what is left only shrinks), or nothing.
+            checkpoint(None, len(order))
     except Interrupted as exc:  # its trials went back to the study as the Tuner closed
         raise SystemExit(exc.exit_code) from None
     except Exception as exc:
