@@ -207,7 +207,8 @@ def assert_each_variant_evaluated_once(url: str, gpu: Gpu, problem, count: int) 
     running: what a search that moves work ahead (or splits it) must not lose or repeat."""
     import optuna
 
-    from tunegen.tuning.study import evaluated, study_name
+    from tunegen.tuning.claims import evaluated
+    from tunegen.tuning.study import study_name
 
     trials = optuna.load_study(study_name=study_name(gpu, problem, "tpe"), storage=url).trials
     done = [t.user_attrs["variant"] for t in trials if evaluated(t)]

@@ -25,7 +25,8 @@ from tunegen.kernels import gpu
 from tunegen.kernels.gpu import DeviceFacts, interpreter_gpu
 from tunegen.tuning import host, rank_process, study
 from tunegen.tuning import ranks as placement
-from tunegen.tuning.study import evaluated, holds_claim, study_name
+from tunegen.tuning.claims import evaluated, holds_claim
+from tunegen.tuning.study import study_name
 from tunegen.tuning.tuner import TuneOptions, Tuner
 from tunegen.tuning_db import Store
 

@@ -23,9 +23,10 @@ from optuna.trial import TrialState
 
 from tunegen.kernels.gpu import interpreter_gpu
 from tunegen.tuning import study as studies
+from tunegen.tuning.claims import evaluated
 from tunegen.tuning.interrupt import Interrupted, pause, raising
 from tunegen.tuning.presets import dry_run, parse_shape, problems
-from tunegen.tuning.study import evaluated, study_name
+from tunegen.tuning.study import study_name
 from tunegen.tuning.tuner import TuneOptions, Tuner
 from tunegen.tuning.workers import Worker
 

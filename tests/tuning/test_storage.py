@@ -1,7 +1,7 @@
 """The study storage that the processes of a tuning run share: calls that only read never queue
 for SQLite's write lock (another process writing does not stall them), calls that write still
-take it when they begin, and what a trial's process sets in a row (its owner, parameters and
-claim; its result's attributes) is written in one transaction, or not at all if it fails, and its
+take it when they begin, and what a trial's process sets in a row (its owner and parameters;
+its result's attributes) is written in one transaction, or not at all if it fails, and its
 suggestions read the study's trials once (`snapshot`)."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import pytest
 import sqlalchemy
 from optuna.trial import TrialState
 
+from tunegen.tuning import claims
 from tunegen.tuning import study as studies
 from tunegen.tuning.samplers import make_sampler
 
@@ -166,8 +167,8 @@ def test_a_snapshot_holds_what_was_written_before_it_and_a_read_after_it_sees_wh
 
 
 def _search(path, snapshot: bool) -> list[tuple[dict, TrialState]]:
-    """15 trials of a TPE study on conditional knobs, each asked as `Tuner._ask` asks: owner,
-    suggestions and claim in one batch (in a snapshot or not), then the claims checked."""
+    """15 trials of a TPE study on conditional knobs, each asked as `Tuner._ask` asks: owner and
+    suggestions in one batch (in a snapshot or not), then the claim."""
     storage = studies.storage(f"sqlite:///{path}", heartbeat_s=10, grace_s=60)
     space = {"a": [1, 2], "b": [16, 32, 64], "c": [1, 2, 3], "d": [4, 8]}
     sampler = make_sampler("tpe", 7, space)
@@ -179,8 +180,7 @@ def _search(path, snapshot: bool) -> list[tuple[dict, TrialState]]:
             params = {name: trial.suggest_categorical(name, space[name]) for name in ("a", "b")}
             knob = "c" if params["a"] == 1 else "d"  # another group of knobs
             params[knob] = trial.suggest_categorical(knob, space[knob])
-            trial.set_user_attr("variant", repr(params))
-        reason = studies.conflict(study, trial, repr(params), 15)
+        reason = claims.claim(storage, study, trial, repr(params), 15)
         if reason is not None:
             studies.conclude(storage, study, trial, {"reason": reason}, state=TrialState.PRUNED)
         else:
@@ -227,44 +227,3 @@ def test_a_run_creates_each_study_once_with_its_default_first_and_its_processes_
     seconds = _while_locked(path, lambda: joined.append(open_study(storage, gpu, problems[0], "tpe", 0)))
     assert seconds < HOLD_S / 2, "joining waited for the write lock"
     assert len(joined[0].get_trials(states=(TrialState.WAITING,))) == 1, "joined, not queued again"
-
-
-def test_a_timed_trial_never_told_is_not_evaluated_once_failed_as_abandoned(shared):
-    """`conclude` writes a result's attributes, then tells the study: a process killed between the
-    two leaves a running trial marked evaluated, which the heartbeat fails as abandoned. Counted as
-    evaluated, its Variant was ruled out for good ("failed as trial N") though it never failed."""
-    storage, study, _ = shared
-    outcomes = {}
-    for name, attrs, tell in (
-        ("timed", {"evaluated": True, "rel_err": 0.0}, {"values": 1.0}),
-        ("failed", {"evaluated": True, "reason": "wrong: relative error 1"}, {"state": TrialState.FAIL}),
-        ("abandoned", {"evaluated": True, "rel_err": 0.0}, {"state": TrialState.FAIL}),
-    ):
-        trial = studies.ask(study)
-        trial.set_user_attr("variant", name)
-        for key, value in attrs.items():
-            trial.set_user_attr(key, value)
-        study.tell(trial, **tell)
-        outcomes[name] = studies.evaluated(storage.get_trial(trial._trial_id))
-    assert outcomes == {"timed": True, "failed": True, "abandoned": False}
-    fresh = studies.ask(study)
-    fresh.set_user_attr("variant", "abandoned")
-    assert studies.conflict(study, fresh, "abandoned", 3) is None, "its Variant may be evaluated again"
-
-
-def test_a_claim_past_the_target_steps_back_whoever_wrote_it_first(shared):
-    """Two processes that ask for a Problem's last trial at once both claim one: the claim with
-    the higher number steps back, whichever was written first, so the target holds. Trials not
-    claimed (pruned, abandoned) leave room."""
-    _, study, _ = shared
-    for state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL):
-        done = studies.ask(study)
-        done.set_user_attr("variant", f"v{done.number}")
-        done.set_user_attr("evaluated", state == TrialState.COMPLETE)
-        study.tell(done, 1.0 if state == TrialState.COMPLETE else None, state=state)
-    first, second = studies.ask(study), studies.ask(study)
-    second.set_user_attr("variant", "b")
-    first.set_user_attr("variant", "a")
-    assert studies.conflict(study, second, "b", 2) == "the 2 trials asked for were claimed before it"
-    assert studies.conflict(study, first, "a", 2) is None
-    assert studies.conflict(study, second, "b", 3) is None

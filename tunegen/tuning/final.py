@@ -19,6 +19,7 @@ from tunegen.kernels.families import get
 from tunegen.kernels.gpu import Gpu
 from tunegen.kernels.problem import Problem
 from tunegen.kernels.render import template_hash
+from tunegen.tuning import claims
 from tunegen.tuning import study as studies
 from tunegen.tuning.flight import Pending
 from tunegen.tuning.interrupt import SLICE_S, check, pause
@@ -186,7 +187,7 @@ class FinalRound:
                     if not study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
                         break
                     self._time_own(min(1.0, opts.heartbeat_s))
-            if studies.claimed(study) >= opts.trials or not study.get_trials(
+            if claims.claimed(study) >= opts.trials or not study.get_trials(
                 deepcopy=False, states=(TrialState.WAITING,)
             ):
                 return
@@ -243,7 +244,7 @@ class FinalRound:
 
     def _finish(self, study, problem, family, start, later, helpers) -> Outcome:
         trials = study.get_trials(deepcopy=False)
-        evaluated = [t for t in trials if studies.evaluated(t)]
+        evaluated = [t for t in trials if claims.evaluated(t)]
         failed = sum(1 for t in evaluated if t.state == optuna.trial.TrialState.FAIL)
         complete = [t for t in evaluated if t.state == optuna.trial.TrialState.COMPLETE]
         peers = None

@@ -9,7 +9,7 @@ import optuna
 
 from tunegen.kernels.families import get
 from tunegen.kernels.problem import Problem
-from tunegen.tuning import study as studies
+from tunegen.tuning import claims
 from tunegen.tuning.timing import rate
 
 # Between two progress reports of a search, at least this long: each reads every trial of the
@@ -23,7 +23,7 @@ def progress(study: optuna.Study, problem: Problem, target: int, peer: dict[str,
     (the fastest peer's name and ms, or empty)."""
     trials = study.get_trials(deepcopy=False)
     complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
-    done = sum(1 for t in trials if studies.evaluated(t))
+    done = sum(1 for t in trials if claims.evaluated(t))
     best = min((t.value for t in complete), default=None)
     unit, work = get(problem.family).measure(problem)
     return {

@@ -1,11 +1,10 @@
 """The Optuna side of tuning: study names, the storage with heartbeats, and how trials are
-claimed, counted and concluded by several processes sharing one study (samplers: samplers.py).
+concluded by several processes sharing one study (how they are claimed and counted: claims.py;
+samplers: samplers.py).
 
-A trial holds a Variant once its "variant" attribute is written (its claim); a claim is written
-before the process looks at the others' claims, so of two processes that pick the same Variant at
-once, at least one sees the other's claim and steps back. A process records a heartbeat for
-every trial it holds; a trial whose heartbeat stops (the process was killed) is failed by whoever
-next looks, and its Variant is queued again, so a dead worker leaves nothing running for good.
+A process records a heartbeat for every trial it holds; a trial whose heartbeat stops (the process
+was killed) is failed by whoever next looks, and its Variant is queued again, so a dead worker
+leaves nothing running for good.
 """
 
 from __future__ import annotations
@@ -81,7 +80,7 @@ class _Storage(optuna.storages.RDBStorage):
         search space). As valid as reads spread over it: another process's trial written meanwhile
         is a race either way, a queued trial is taken only if its state still says queued (checked
         under the write lock), and this trial's parameters are in neither read (its batch holds
-        them). Not for `conflict`, after the claim, which reads afresh. Other threads unaffected."""
+        them). Not for `claims.claim`, which reads afresh. Other threads unaffected."""
         outer = getattr(self._snap, "reads", None)
         self._snap.reads = [] if outer is None else outer  # nested: the outer one's
         try:
@@ -255,46 +254,6 @@ def fail_stale(study: optuna.Study, grace_s: float) -> None:
         except (optuna.exceptions.UpdateFinishedTrialError, ValueError):
             continue  # another process failed it first, and queued it again
         _requeue(study, trial)
-
-
-def evaluated(trial: FrozenTrial) -> bool:
-    """Whether the trial's Variant was verified and timed, or failed doing so. Not a timed trial
-    its process never told (killed between the two writes of `conclude`): failed as abandoned."""
-    told = trial.state != TrialState.FAIL or "reason" in trial.user_attrs
-    return bool(trial.user_attrs.get("evaluated")) and told
-
-
-def holds_claim(trial: FrozenTrial) -> bool:
-    """Whether a live process is evaluating the trial's Variant."""
-    return trial.state == TrialState.RUNNING and "variant" in trial.user_attrs
-
-
-def claimed(study: optuna.Study) -> int:
-    """Trials evaluated or being evaluated: what counts against the number asked for."""
-    return sum(1 for t in study.get_trials(deepcopy=False) if evaluated(t) or holds_claim(t))
-
-
-def conflict(study: optuna.Study, trial: optuna.Trial, config: str, target: int) -> str | None:
-    """Why other trials' claims rule this trial out, if they do: a claim on its Variant `config`,
-    or `target` claims made before it (processes that asked for the last trials at once went past
-    the target, up to one trial each per Problem: 5 of 9 Problems on 2 x H200, 2026-11-26).
-
-    Called after this trial's own claim is written. A running claim on the Variant rules out
-    whatever its number, so that of two simultaneous claims at least one steps back."""
-    trials = study.get_trials(deepcopy=False)
-    before = sum(1 for t in trials if t.number < trial.number and (evaluated(t) or holds_claim(t)))
-    if before >= target:
-        return f"the {target} trials asked for were claimed before it"
-    for other in trials:
-        if other.number == trial.number or other.user_attrs.get("variant") != config:
-            continue
-        if other.state == TrialState.COMPLETE:
-            return f"duplicate of trial {other.number}"
-        if other.state == TrialState.FAIL and evaluated(other):
-            return f"failed as trial {other.number}"
-        if other.state == TrialState.RUNNING:
-            return f"being evaluated as trial {other.number}"
-    return None
 
 
 def conclude(

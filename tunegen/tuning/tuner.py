@@ -31,7 +31,7 @@ from tunegen.kernels.families.base import choose
 from tunegen.kernels.gpu import Gpu, driver_version
 from tunegen.kernels.problem import Problem
 from tunegen.kernels.variant import Variant
-from tunegen.tuning import interrupt
+from tunegen.tuning import claims, interrupt
 from tunegen.tuning import study as studies
 from tunegen.tuning.final import FinalRound, Outcome
 from tunegen.tuning.flight import FIRST_AHEAD, GPU_QUEUE, Asks, Flight, Pending
@@ -219,7 +219,7 @@ class Tuner(FinalRound):
             or (isinstance(study.sampler, optuna.samplers.GridSampler) and study.sampler.is_exhausted(study))
         ):
             asks.more = False
-        return asks.more and studies.claimed(study) < opts.trials
+        return asks.more and claims.claimed(study) < opts.trials
 
     def _fill(self, problem: Problem, later: Sequence[Problem], progress) -> bool:
         """Ask for trials and start compiling them, `problem`'s first, then those of `later`, in
@@ -267,13 +267,12 @@ class Tuner(FinalRound):
             trial = studies.ask(study)
             self.heartbeat.hold(trial)
             asks.asked += 1
-            with self.storage.batched():  # its owner, its Variant and its claim: one transaction
+            with self.storage.batched():  # its owner and its knobs: one transaction
                 trial.set_user_attr("owner", self.owner)
                 params = choose(asks.family, asks.space, trial.suggest_categorical)
-                variant, reason = self._screen(asks.family, params, problem, trial, asks.failures)
+                variant, reason = self._screen(asks.family, params, problem, asks.failures)
         if reason is None:
-            # the claim is written: now see whether another process's rules this trial out
-            reason = studies.conflict(study, trial, variant.to_json(), opts.trials)
+            reason = claims.claim(self.storage, study, trial, variant.to_json(), opts.trials)
         self.timeline.add(SAMPLER, "asking the sampler", asking, time.time(), problem_label(problem))
         if reason is not None:
             studies.conclude(self.storage, study, trial, {"reason": reason}, state=TrialState.PRUNED)
@@ -377,9 +376,8 @@ class Tuner(FinalRound):
         with self.timeline.span(GPU, name, problem_label(problem) if problem else ""):
             return self.timer.call(task, payload, self.options.trial_timeout)
 
-    def _screen(self, family, params, problem, trial, known_failures) -> tuple[Variant | None, str | None]:
-        """The Variant for `params` with this trial's claim on it written, or why it should not
-        be evaluated."""
+    def _screen(self, family, params, problem, known_failures) -> tuple[Variant | None, str | None]:
+        """The Variant for `params`, or why it should not be evaluated."""
         try:
             variant = family.variant_type(**params)
         except ValueError as exc:
@@ -390,7 +388,6 @@ class Tuner(FinalRound):
         config = variant.to_json()
         if config in known_failures:
             return None, f"failed before: {known_failures[config]}"
-        trial.set_user_attr("variant", config)
         return variant, None
 
     def _progress(self, study: optuna.Study, problem: Problem) -> dict[str, Any]:
