@@ -77,8 +77,7 @@ def claim(
 
 
 def _ruled_out(others: dict[int, tuple[TrialState, dict[str, Any]]], config: str, target: int) -> str | None:
-    held = [n for n, (state, attrs) in others.items() if _evaluated(state, attrs) or _holds(state, attrs)]
-    if len(held) >= target:
+    if sum(_evaluated(state, attrs) or _holds(state, attrs) for state, attrs in others.values()) >= target:
         return f"the {target} trials asked for were claimed before it"
     for number, (state, attrs) in sorted(others.items()):
         if attrs.get("variant") != config:
