@@ -36,7 +36,6 @@ from tunegen.tuning import study as studies
 from tunegen.tuning.final import Outcome
 from tunegen.tuning.interrupt import blocked, check, raising
 from tunegen.tuning.opening import create_studies
-from tunegen.tuning.options import MAX_SEED
 from tunegen.tuning.rank_process import POLL_S, owner, rank_main, search_order
 from tunegen.tuning.ranks import Rank, cores
 from tunegen.tuning.retiming import ROUNDS
@@ -96,13 +95,9 @@ class _Host:
         state.conn, child = self.context.Pipe()
         state.finalizing = []
         state.waiting = False
-        # Each rank its own share of the cores and its own sampler seed, so that ranks sharing a
-        # study do not keep proposing the same Variants.
-        options = dataclasses.replace(
-            self.options,
-            cpus=cores(state.position, len(self.states)),
-            seed=(self.options.seed + state.position) % (MAX_SEED + 1),
-        )
+        # Each rank its own share of the cores; its samplers' seeds follow from its share
+        # (rank_process.sampler_seed).
+        options = dataclasses.replace(self.options, cpus=cores(state.position, len(self.states)))
         members = self._members(state.rank.gpu)
         share = (members.index(state), len(members))
         settled = self._settled(state.rank.gpu)  # to skip, for one started again

@@ -16,7 +16,7 @@ from tunegen.kernels.compiler import warm_compiler
 from tunegen.kernels.gpu import set_meta_device
 from tunegen.kernels.problem import Problem
 from tunegen.tuning.interrupt import Interrupted, check, raising
-from tunegen.tuning.options import TuneOptions
+from tunegen.tuning.options import MAX_SEED, TuneOptions
 from tunegen.tuning.ranks import Rank
 from tunegen.tuning.timeline import TUNER, WAIT_HOST
 from tunegen.tuning.tuner import Tuner
@@ -82,6 +82,16 @@ def owner(problem: int, ranks: int) -> int:
     return problem % ranks
 
 
+def sampler_seed(seed: int, problem: int, position: int, ranks: int) -> int:
+    """The seed of the sampler with which the rank at `position` of its model's `ranks` searches
+    Problem index `problem`, in a run seeded `seed`: the run's own for the Problem's owner, which so
+    proposes the Variants one GPU would (a Problem searched apart from the run's seed met another
+    region of the space: a Winner 5.5% slower, in two runs of two, 2 x H200, 2026-11-27); another
+    for each rank that joins it, so that ranks sharing a study do not keep proposing the same
+    Variants."""
+    return (seed + (position - owner(problem, ranks)) % ranks) % (MAX_SEED + 1)
+
+
 def search_order(problems: int, position: int, ranks: int) -> list[int]:
     """The order in which the rank at `position` of its model's `ranks` goes through the Problems:
     its own first, searched as one GPU would search them, then the others', last first, where it
@@ -105,8 +115,8 @@ def rank_main(
     host's process between Problems whether to finish one (finalize), help finish another rank's, go
     on (told which Problems a rank has searched, `settled` ones included: skipped here), or stop.
     Of its model's `share` = (its position, the model's ranks) it owns and times the peers of every
-    so many Problems. It talks through a pipe of its own, which dies with it: nothing it sent can be
-    mistaken for its successor's."""
+    so many Problems, and samples them as one GPU would (`sampler_seed`). It talks through a pipe of
+    its own, which dies with it: nothing it sent can be mistaken for its successor's."""
     # Forked, it inherits the progress display's proxies of stdout and stderr: its warnings and
     # tracebacks go to the streams themselves, never through the display (or its lock).
     sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
@@ -131,9 +141,15 @@ def rank_main(
         position, ranks = share
         order = search_order(len(problems), position, ranks)
         peers = {p for j, p in enumerate(problems) if owner(j, ranks) == position}
+        seeds = {p: sampler_seed(options.seed, j, position, ranks) for j, p in enumerate(problems)}
         settled = set(settled)  # searched by a rank: none left to ask for
 
-        with raising(), Tuner(rank.gpu, options, times_peers=peers.__contains__, zygote=zygote) as tuner:
+        with (
+            raising(),
+            Tuner(
+                rank.gpu, options, times_peers=peers.__contains__, seeds=seeds.__getitem__, zygote=zygote
+            ) as tuner,
+        ):
 
             def left(j: int) -> bool:
                 """Whether Problem `j` is left to search here: not settled, or holding trials asked

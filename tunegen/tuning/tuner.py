@@ -49,7 +49,8 @@ from tunegen.tuning_db import FailureRecord
 class Tuner(FinalRound):
     """Tunes Problems on one Gpu; holds the worker processes (forked by `zygote` where given) and
     the database between Problems. `times_peers`: the Problems whose peers this process times (the
-    processes sharing a study split them; whoever finishes a Problem times them where nobody did)."""
+    processes sharing a study split them; whoever finishes a Problem times them where nobody did);
+    `seeds`: the seed of each Problem's sampler (the run's where not given)."""
 
     def __init__(
         self,
@@ -57,6 +58,7 @@ class Tuner(FinalRound):
         options: TuneOptions,
         times_peers: Callable[[Problem], bool] = lambda problem: True,
         zygote: Zygote | None = None,
+        seeds: Callable[[Problem], int] | None = None,
     ) -> None:
         self.gpu = gpu
         self.options = options
@@ -102,6 +104,7 @@ class Tuner(FinalRound):
         self._peers_tried: set[Problem] = set()
         self.flight = Flight(self.pool.size, self.pool.started if gpu.backend == "cuda" else FIRST_AHEAD)
         self.times_peers = times_peers
+        self.seeds = seeds or (lambda problem: options.seed)
         self._reported = 0.0  # when progress was last read for a report
 
     def close(self, *, abandon: bool = False, failed: bool = False) -> None:
@@ -145,7 +148,7 @@ class Tuner(FinalRound):
         """The Problem's shared study, joined or created (opening.py)."""
         if problem not in self._studies:
             self._studies[problem] = open_study(
-                self.storage, self.gpu, problem, self.options.sampler, self.options.seed
+                self.storage, self.gpu, problem, self.options.sampler, self.seeds(problem)
             )
         return self._studies[problem]
 
