@@ -1,4 +1,4 @@
-"""How the processes sharing a study divide its trials (`study.claim`): a claim on a Variant is
+"""How the processes sharing a study divide its trials (`claims.claim`): a claim on a Variant is
 decided against the claims made before it, one at a time, so no Variant is evaluated twice, none
 is lost because two processes stepped back from it together, and the number of trials asked for
 holds however many processes ask for the last ones at once."""
