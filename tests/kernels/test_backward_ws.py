@@ -38,6 +38,7 @@ PROBLEM = Problem("backward", "bfloat16", 128, True, 16, 4, 2, 4096, 4096)
         ({"load": "desc"}, "load: a knob of schedule 'loops'"),
         ({"schedule": "fa3"}, "schedule: expected one of"),
         ({"dq_write": "store"}, "dq_write: expected one of"),
+        ({"split_tail": True, "deterministic": True}, "split_tail: deterministic adds take turns"),
     ],
 )
 def test_ws_variant_rejects_knobs_that_do_not_apply(changes, message):
@@ -61,6 +62,19 @@ def test_ws_space_on_hopper_only_and_searched_apart_from_the_loops():
     assert ws["schedule"] == "ws" and "dq_mode" not in ws and "dq_block_m" not in ws and "load" not in ws
     loops = base.choose(backward.FAMILY, space, lambda name, values: values[0])
     assert "dq_write" not in loops and loops["dq_block_m"] == space["dq_block_m"][0]
+
+
+def test_split_tail_only_without_a_causal_mask_and_never_in_fixed_order():
+    """A causal walk gives key tiles different lengths, which equal runs of steps cannot share;
+    the fixed-order form takes whole tiles in key-tile order."""
+    split = WS.replace(split_tail=True)
+    assert "split_tail: under a causal mask" in backward.FAMILY.constraint(split, PROBLEM, H100)
+    full = dataclasses.replace(PROBLEM, causal=False)
+    assert backward.FAMILY.constraint(split, full, H100) is None
+    assert backward.FAMILY.search_space(full, H100)["split_tail"] == [False, True]
+    assert backward.FAMILY.search_space(PROBLEM, H100)["split_tail"] == [False]
+    fixed = backward.FAMILY.deterministic(split, full, H100)
+    assert fixed.deterministic and not fixed.split_tail
 
 
 def test_ws_is_the_hopper_default_where_it_runs():
@@ -125,6 +139,9 @@ KNOBS = [
         {"num_warps": 4, "dkdv_block_n": 64, "dq_write": "atomic"},
         {"kv_regs": True, "dq_write": "atomic"},
         {"kv_regs": True},
+        {"split_tail": True},
+        {"split_tail": True, "dq_write": "atomic", "num_stages": 3},
+        {"split_tail": True, "dq_write": "atomic", "kv_regs": True},
     )
 ]
 
@@ -160,6 +177,35 @@ def test_ws_shapes_against_float64(batch, hq, hkv, nq, nk, dtype):
         grads = run_backward_variant(WS, q, k, v, dout, causal=causal, scale=128**-0.5)
         forward = lambda q, k, v, causal=causal: attention_reference(q, k, v, causal=causal, scale=128**-0.5)
         assert_grads(grads, reference_grads(forward, (q, k, v), dout), dtype)
+
+
+@pytest.mark.gpu
+@HOPPER
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize(
+    ("batch", "hq", "hkv", "n"),
+    [
+        (4, 8, 4, 2100),  # more tiles than an H100's 132 programs; runs cross from one tile into the next
+        (2, 4, 2, 4500),  # the same, 53 runs over 12 tiles
+        (1, 4, 1, 1500),  # fewer tiles than programs, each shared by three runs across query heads
+    ],
+)
+def test_split_tail_against_float64_twice_on_one_stream(batch, hq, hkv, n, d):
+    """The split tail's tiles against float64 for each dQ path and warpgroup count, in two launches
+    on one stream: the second finds the tiles' counters zero again (the first reset each it
+    counted on) and its scratch reused."""
+    q, k, v, dout = qkv_dout(batch, hq, hkv, n, n, d, torch.bfloat16, "cuda", seed=n + d)
+    forward = lambda q, k, v: attention_reference(q, k, v, causal=False, scale=d**-0.5)
+    expected = reference_grads(forward, (q, k, v), dout)
+    for knobs in (
+        {"dq_write": "atomic", "kv_regs": d == 64},
+        {"dq_write": "tma", "num_stages": 3},
+        {"num_warps": 4, "dkdv_block_n": 64, "producer_regs": 40},
+    ):
+        variant = WS.replace(split_tail=True, **knobs)
+        for _ in range(2):
+            grads = run_backward_variant(variant, q, k, v, dout, causal=False, scale=d**-0.5)
+            assert_grads(grads, expected, torch.bfloat16)
 
 
 @pytest.mark.gpu

@@ -121,7 +121,8 @@ def test_backward_kernels_compile_for_hopper():
 
 def test_backward_hopper_schedule_compiles_within_its_constraint():
     """The backward's Hopper schedule (its default at head dims 64 and 128, causal and not, GQA;
-    dQ by atomics, deterministic by either dQ path) and its row-wise kernels compile for sm_90 on
+    dQ by atomics, deterministic by either dQ path; without a causal mask the split tail's launch
+    too) and its row-wise kernels compile for sm_90 on
     the installed release, within shared memory and the spill bound its register constraint was
     calibrated to."""
     gpu = dataclasses.replace(TARGETS["hopper"], triton_version=triton.__version__)
@@ -130,20 +131,19 @@ def test_backward_hopper_schedule_compiles_within_its_constraint():
     for d, causal, changes in (
         (128, True, {}),
         (64, False, {}),
-        (128, False, {"dq_write": "atomic", "deterministic": True}),
+        (128, False, {"dq_write": "atomic", "deterministic": True, "split_tail": False}),
         (64, True, {"deterministic": True}),
     ):
         problem = Problem("backward", "bfloat16", d, causal, 32, 8, 2, 4096, 4096)
         variant = family.default_variant(problem, gpu).replace(**changes)
         assert variant.schedule == "ws" and family.constraint(variant, problem, gpu) is None
         rendered = render(family.template, "backward", variant, family.features(problem, gpu))
-        jobs += [
-            CompileJob(rendered, "bfloat16", gpu.capability, kernel)
-            for kernel in ("preprocess", "main", "postprocess")
-        ]
+        kernels = ("preprocess", "main", "postprocess") + (("tail",) if variant.split_tail else ())
+        jobs += [CompileJob(rendered, "bfloat16", gpu.capability, kernel) for kernel in kernels]
     for job, report in zip(jobs, compile_many(jobs, workers=2), strict=True):
         assert report.error is None, (job.kernel, job.rendered.source.splitlines()[3], report.error)
-        assert report.shared_bytes <= gpu.smem_per_block and (job.kernel != "main" or report.shared_bytes > 0)
+        gluon = job.kernel in ("main", "tail")
+        assert report.shared_bytes <= gpu.smem_per_block and (not gluon or report.shared_bytes > 0)
         assert report.local_bytes is not None and report.local_bytes <= WS_BACKWARD_SPILL_BOUND, job.kernel
 
 

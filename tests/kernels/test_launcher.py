@@ -4,6 +4,7 @@ directly, and (on the GPU) direct launches that give exactly what Triton's own p
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -170,3 +171,19 @@ def test_a_warm_decode_call_never_waits_for_the_device():
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert len(dispatch.fast_calls) == len(calls), "repeat calls, new tokens or not, take the fast path"
+
+
+def test_split_tail_shares_the_last_wave_in_runs_shorter_than_a_tile():
+    """Past the whole waves, the tiles' steps go to more programs than tiles (each run spans at
+    most two tiles) in runs of SPLIT_STEPS_MIN steps at least; whole waves split nothing."""
+    grid = itertools.product((1, 5, 131, 132, 133, 272, 2048), (4, 132), (1, 8, 66, 256))
+    for tiles, programs, walk in grid:
+        split, sharers = launcher.split_tail(tiles, programs, walk)
+        rest = tiles % programs
+        if (split, sharers) == (0, 0):
+            assert rest == 0 or rest * walk // launcher.SPLIT_STEPS_MIN <= rest
+            continue
+        assert split == tiles % programs and split < sharers <= programs
+        assert split * walk // sharers >= launcher.SPLIT_STEPS_MIN and split * walk / sharers < walk
+    assert launcher.split_tail(2048, 132, 256) == (68, 132)
+    assert launcher.split_tail(264, 132, 256) == (0, 0)

@@ -191,6 +191,23 @@ def resident_programs(kernel: Any, args: tuple, *, device: torch.device, **optio
     return props.multi_processor_count * max(1, min(by_registers, by_threads, by_shared, 32))
 
 
+# Steps of a key tile's walk each run of a split tail takes at least: the tail's own launch, its
+# K and V loads and the partial dK and dV it passes on cost a few steps' time (the backward on an
+# H100, benchmarks/results/issue30_h100.md: runs of 8 steps lost 3% at 1k tokens, of 33 gained).
+SPLIT_STEPS_MIN = 32
+
+
+def split_tail(tiles: int, programs: int, walk: int) -> tuple[int, int]:
+    """How a grid of `tiles` equal tiles of `walk` steps each, on `programs` resident programs,
+    shares out its last partial wave, stream-K style: (the tiles past the last whole wave, the
+    programs that share their steps equally). Each program then takes fewer steps than one tile
+    (so its run spans at most two tiles) and at least SPLIT_STEPS_MIN; (0, 0) where the tiles fill
+    whole waves or a share would be shorter."""
+    split = tiles % programs
+    sharers = min(programs, split * walk // SPLIT_STEPS_MIN)
+    return (split, sharers) if sharers > split else (0, 0)
+
+
 def _index(device: torch.device) -> int:
     """A CUDA device's index, the current one for a bare "cuda" and for "meta"."""
     if device.type == "meta" or device.index is None:

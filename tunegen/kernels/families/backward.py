@@ -60,7 +60,10 @@ class BackwardVariant(Variant):
     give the same bits; producer_regs, the registers per thread of the
     TMA producer warp and of the dQ writer (the consumers share the rest); kv_regs, K and V held
     in registers as the left operands of Sᵀ and dPᵀ rather than read from shared memory every step
-    (the walk is bound by shared-memory bandwidth; head dim 64 has the registers). Knobs that do
+    (the walk is bound by shared-memory bandwidth; head dim 64 has the registers); split_tail,
+    without a causal mask, the key tiles past the last whole wave of resident programs shared out
+    stream-K style as equal runs of their steps over a wave of programs, whose partial dK and dV
+    the program starting each tile sums (no SM idles while the last tiles finish). Knobs that do
     not apply to a schedule keep their defaults, so that two different Variants are always two
     different kernels.
     """
@@ -85,6 +88,7 @@ class BackwardVariant(Variant):
     deterministic: bool = False
     producer_regs: int = 24
     kv_regs: bool = False
+    split_tail: bool = False
 
     def __post_init__(self) -> None:
         for name in ("dkdv_block_m", "dkdv_block_n", "dq_block_m", "dq_block_n"):
@@ -139,6 +143,11 @@ class BackwardVariant(Variant):
             raise ValueError(f"num_stages: schedule 'ws' takes a ring of 2 to 4 slots, got {self.num_stages}")
         if self.producer_regs not in (24, 32, 40):
             raise ValueError(f"producer_regs: expected 24, 32 or 40, got {self.producer_regs}")
+        if self.split_tail and self.deterministic:
+            raise ValueError(
+                "split_tail: deterministic adds take turns in key-tile order, which a split tail's "
+                "programs do not walk in; choose one"
+            )
 
 
 def loops_default(problem: Problem, gpu: Gpu) -> BackwardVariant:
@@ -239,6 +248,7 @@ class BackwardFamily:
                 deterministic=[False],
                 producer_regs=[24, 40],
                 kv_regs=[False, True],
+                split_tail=[False] if problem.causal else [False, True],
             )
         return space
 
@@ -298,16 +308,17 @@ class BackwardFamily:
         return loops_default(problem, gpu)
 
     def deterministic(self, variant: BackwardVariant, problem: Problem, gpu: Gpu) -> BackwardVariant:
-        """dQ added in a fixed order: the Hopper schedule's adds take turns in key-tile order, by
+        """dQ added in a fixed order: the Hopper schedule's adds take turns in key-tile order (over
+        whole tiles: no split tail), by
         the writer warp's TMA reduce-add (1.3-1.6x the consumers' own reductions, which wait for
         their turns where the writer warp waits for them: benchmarks/results/issue30_h100.md)
         unless its shared-memory tile would not fit, the loops' atomic dQ becomes a pass of its own
         (the other dQ modes own their tiles of dQ), or where that pass's tiles would not fit, the
         loops' default."""
         if variant.schedule == "ws":
-            writer = variant.replace(deterministic=True, dq_write="tma")
+            writer = variant.replace(deterministic=True, dq_write="tma", split_tail=False)
             fits = self.constraint(writer, problem, gpu) is None
-            return writer if fits else variant.replace(deterministic=True)
+            return writer if fits else variant.replace(deterministic=True, split_tail=False)
         if variant.dq_mode != "atomic":
             return variant
         separate = variant.replace(dq_mode="separate")

@@ -11,7 +11,7 @@ from tunegen.kernels.families.prefill_ws import REGISTER_FILE
 from tunegen.kernels.gpu import Gpu
 from tunegen.kernels.problem import Problem
 
-WS_KNOBS = ("dq_write", "deterministic", "producer_regs", "kv_regs")
+WS_KNOBS = ("dq_write", "deterministic", "producer_regs", "kv_regs", "split_tail")
 # Registers per consumer thread beyond the tiles `ws_tile_registers` counts (indices, row
 # statistics, barrier phases): calibrated on sm_90 compiles with Triton 3.6, 3.7.1 and 3.9, where
 # within the bound ptxas spills at most 80 bytes per thread (3.9: 240 at head dim 128, causal),
@@ -46,7 +46,10 @@ def ws_smem(variant: Any, head_dim: int) -> int:
 
 
 def ws_constraint(variant: Any, problem: Problem, gpu: Gpu) -> str | None:
-    """Schedule "ws" within the GPU's shared memory per block and the consumers' registers."""
+    """Schedule "ws" within the GPU's shared memory per block and the consumers' registers; a split
+    tail only where every key tile walks as many steps (no causal mask)."""
+    if variant.split_tail and problem.causal:
+        return "split_tail: under a causal mask key tiles walk different lengths; only Problems without one"
     smem = ws_smem(variant, problem.head_dim)
     if smem > gpu.smem_per_block:
         return f"shared memory: needs about {smem} bytes, {gpu.name} has {gpu.smem_per_block} per block"
@@ -71,7 +74,14 @@ def ws_default(problem: Problem, variant_type: Any, gpu: Gpu) -> Any:
     +1-4% at head dim 128, within 1% at 64) and at head dim 128 under one the writer warp's TMA
     reduce-add (3.7: +1-7%; 3.9: +1-3%)."""
     default = variant_type(
-        64, 128, num_warps=8, num_stages=2, schedule="ws", dq_write="atomic", kv_regs=problem.head_dim <= 64
+        64,
+        128,
+        num_warps=8,
+        num_stages=2,
+        schedule="ws",
+        dq_write="atomic",
+        kv_regs=problem.head_dim <= 64,
+        split_tail=not problem.causal,
     )
     if releases.of(gpu.triton_version).ws_backward_table < (3, 7):
         return default
