@@ -185,8 +185,8 @@ def test_ws_shapes_against_float64(batch, hq, hkv, nq, nk, dtype):
 @pytest.mark.parametrize(
     ("batch", "hq", "hkv", "n"),
     [
-        (4, 8, 4, 2100),  # more tiles than an H100's 132 programs; runs cross from one tile into the next
-        (2, 4, 2, 4500),  # the same, 53 runs over 12 tiles
+        (4, 8, 4, 2100),  # more tiles than an H100's 132 programs; each tail tile shared by two runs
+        (2, 4, 2, 4500),  # 53 runs over 12 tiles, crossing from one tile into the next
         (1, 4, 1, 1500),  # fewer tiles than programs, each shared by three runs across query heads
     ],
 )

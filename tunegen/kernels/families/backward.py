@@ -309,10 +309,10 @@ class BackwardFamily:
 
     def deterministic(self, variant: BackwardVariant, problem: Problem, gpu: Gpu) -> BackwardVariant:
         """dQ added in a fixed order: the Hopper schedule's adds take turns in key-tile order (over
-        whole tiles: no split tail), by
-        the writer warp's TMA reduce-add (1.3-1.6x the consumers' own reductions, which wait for
-        their turns where the writer warp waits for them: benchmarks/results/issue30_h100.md)
-        unless its shared-memory tile would not fit, the loops' atomic dQ becomes a pass of its own
+        whole tiles: no split tail), by the writer warp's TMA reduce-add (1.3-1.6x the consumers'
+        own reductions, which wait for their turns where the writer warp waits for them:
+        benchmarks/results/issue30_h100.md) unless its shared-memory tile would not fit, the
+        loops' atomic dQ becomes a pass of its own
         (the other dQ modes own their tiles of dQ), or where that pass's tiles would not fit, the
         loops' default."""
         if variant.schedule == "ws":
