@@ -121,8 +121,8 @@ def test_backward_kernels_compile_for_hopper():
 
 def test_backward_hopper_schedule_compiles_within_its_constraint():
     """The backward's Hopper schedule (its default at head dims 64 and 128, causal and not, GQA;
-    dQ by atomics, deterministic by either dQ path; without a causal mask the split tail's launch
-    too) and its row-wise kernels compile for sm_90 on
+    dQ by atomics, deterministic by either dQ path; a partition per consumer warpgroup; without a
+    causal mask the split tail's launch too) and its row-wise kernels compile for sm_90 on
     the installed release, within shared memory and the spill bound its register constraint was
     calibrated to."""
     gpu = dataclasses.replace(TARGETS["hopper"], triton_version=triton.__version__)
@@ -133,6 +133,8 @@ def test_backward_hopper_schedule_compiles_within_its_constraint():
         (64, False, {}),
         (128, False, {"dq_write": "atomic", "deterministic": True, "split_tail": False}),
         (64, True, {"deterministic": True}),
+        (128, True, {"split_warpgroups": True}),
+        (64, False, {"split_warpgroups": True}),
     ):
         problem = Problem("backward", "bfloat16", d, causal, 32, 8, 2, 4096, 4096)
         variant = family.default_variant(problem, gpu).replace(**changes)

@@ -90,7 +90,11 @@ class Release:
     def ws_backward_table(self) -> tuple[int, int]:
         """The release whose measured defaults the backward's Hopper schedule takes: 3.7 and
         later compile the same Variants into other code than 3.6, measured best with other knobs
-        on 3.7.1 and 3.9.0 alike (benchmarks/results/issue30_h100.md)."""
+        on 3.7.1 and 3.9.0 alike; 3.9 waits on a warpgroup's wgmma without a barrier over the
+        partition when the partition is that one warpgroup, which makes a partition per
+        consumer warpgroup 3-10% faster there (benchmarks/results/issue30_h100.md)."""
+        if self.version >= (3, 9):
+            return (3, 9)
         return (3, 7) if self.version >= (3, 7) else (3, 6)
 
     def require(self, schedule: str) -> None:

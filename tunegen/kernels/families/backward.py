@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-from tunegen.kernels.families.backward_ws import WS_KNOBS, ws_constraint, ws_default
+from tunegen.kernels.families.backward_ws import WS_KNOBS, consumer_registers, ws_constraint, ws_default
 from tunegen.kernels.families.operands import block_d, check_descriptors, dot_precision, load_paths
 from tunegen.kernels.families.prefill_ws import check_ws, runs_ws
 from tunegen.kernels.gpu import Gpu
@@ -63,7 +63,9 @@ class BackwardVariant(Variant):
     (the walk is bound by shared-memory bandwidth; head dim 64 has the registers); split_tail,
     without a causal mask, the key tiles past the last whole wave of resident programs shared out
     stream-K style as equal runs of their steps over a wave of programs, whose partial dK and dV
-    the program starting each tile sums (no SM idles while the last tiles finish). Knobs that do
+    the program starting each tile sums (no SM idles while the last tiles finish);
+    split_warpgroups, two consumer warpgroups as two partitions of their own that meet once a
+    step over dSᵀ, rather than one partition of 8 warps whose barriers hold both. Knobs that do
     not apply to a schedule keep their defaults, so that two different Variants are always two
     different kernels.
     """
@@ -89,6 +91,13 @@ class BackwardVariant(Variant):
     producer_regs: int = 24
     kv_regs: bool = False
     split_tail: bool = False
+    split_warpgroups: bool = False
+
+    @property
+    def consumer_regs(self) -> int:
+        """Registers per thread of each consumer warpgroup with schedule "ws"
+        (`backward_ws.consumer_registers`)."""
+        return consumer_registers(self)
 
     def __post_init__(self) -> None:
         for name in ("dkdv_block_m", "dkdv_block_n", "dq_block_m", "dq_block_n"):
@@ -143,6 +152,11 @@ class BackwardVariant(Variant):
             raise ValueError(f"num_stages: schedule 'ws' takes a ring of 2 to 4 slots, got {self.num_stages}")
         if self.producer_regs not in (24, 32, 40):
             raise ValueError(f"producer_regs: expected 24, 32 or 40, got {self.producer_regs}")
+        if self.split_warpgroups and self.num_warps != 8:
+            raise ValueError(
+                f"split_warpgroups: splits two consumer warpgroups (num_warps 8), "
+                f"got num_warps {self.num_warps}"
+            )
         if self.split_tail and self.deterministic:
             raise ValueError(
                 "split_tail: deterministic adds take turns in key-tile order, which a split tail's "
@@ -249,6 +263,7 @@ class BackwardFamily:
                 producer_regs=[24, 40],
                 kv_regs=[False, True],
                 split_tail=[False] if problem.causal else [False, True],
+                split_warpgroups=[False, True],
             )
         return space
 

@@ -11,7 +11,7 @@ from tunegen.kernels.families.prefill_ws import REGISTER_FILE
 from tunegen.kernels.gpu import Gpu
 from tunegen.kernels.problem import Problem
 
-WS_KNOBS = ("dq_write", "deterministic", "producer_regs", "kv_regs", "split_tail")
+WS_KNOBS = ("dq_write", "deterministic", "producer_regs", "kv_regs", "split_tail", "split_warpgroups")
 # Registers per consumer thread beyond the tiles `ws_tile_registers` counts (indices, row
 # statistics, barrier phases): calibrated on sm_90 compiles with Triton 3.6, 3.7.1 and 3.9, where
 # within the bound ptxas spills at most 80 bytes per thread (3.9: 240 at head dim 128, causal),
@@ -72,7 +72,8 @@ def ws_default(problem: Problem, variant_type: Any, gpu: Gpu) -> Any:
     everywhere, 0-10% faster than 3 with the reductions). The table of 3.7 and later
     (`Release.ws_backward_table`) takes a third slot without a causal mask (3.7: +1-8%; 3.9:
     +1-4% at head dim 128, within 1% at 64) and at head dim 128 under one the writer warp's TMA
-    reduce-add (3.7: +1-7%; 3.9: +1-3%)."""
+    reduce-add (3.7: +1-7%; 3.9: +1-3%); 3.9's runs each consumer warpgroup as a partition of its
+    own (`split_warpgroups`: +3-10% there, 1-18% slower on 3.6)."""
     default = variant_type(
         64,
         128,
@@ -83,8 +84,10 @@ def ws_default(problem: Problem, variant_type: Any, gpu: Gpu) -> Any:
         kv_regs=problem.head_dim <= 64,
         split_tail=not problem.causal,
     )
-    if releases.of(gpu.triton_version).ws_backward_table < (3, 7):
+    table = releases.of(gpu.triton_version).ws_backward_table
+    if table < (3, 7):
         return default
+    default = default.replace(split_warpgroups=table >= (3, 9))
     if problem.causal:
         return default.replace(dq_write="tma") if problem.head_dim > 64 else default
     return default.replace(num_stages=3)
