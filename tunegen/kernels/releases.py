@@ -92,7 +92,7 @@ class Release:
         later compile the same Variants into other code than 3.6, measured best with other knobs
         on 3.7.1 and 3.9.0 alike; 3.9 waits on a warpgroup's wgmma without a barrier over the
         partition when the partition is that one warpgroup, which makes a partition per
-        consumer warpgroup 3-10% faster there (benchmarks/results/issue30_h100.md)."""
+        consumer warpgroup 1-11% faster there (benchmarks/results/issue30_h100.md)."""
         if self.version >= (3, 9):
             return (3, 9)
         return (3, 7) if self.version >= (3, 7) else (3, 6)

@@ -73,7 +73,7 @@ def ws_default(problem: Problem, variant_type: Any, gpu: Gpu) -> Any:
     (`Release.ws_backward_table`) takes a third slot without a causal mask (3.7: +1-8%; 3.9:
     +1-4% at head dim 128, within 1% at 64) and at head dim 128 under one the writer warp's TMA
     reduce-add (3.7: +1-7%; 3.9: +1-3%); 3.9's runs each consumer warpgroup as a partition of its
-    own (`split_warpgroups`: +3-10% there, 1-18% slower on 3.6)."""
+    own (`split_warpgroups`: +1-11% there on an H100 and an H200, 1-18% slower on 3.6)."""
     default = variant_type(
         64,
         128,
