@@ -12,46 +12,26 @@ consumers 5.0 of their 13.7 stall cycles per instruction (benchmarks/results/iss
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import pathlib
 import re
-import tempfile
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
 
-from tunegen.kernels.compiler import COMPILE_OPTIONS
+from tunegen.kernels.compiler import CompileJob, compile_kernel
 from tunegen.kernels.families import backward
 from tunegen.kernels.gpu import Gpu
 from tunegen.kernels.problem import Problem
-from tunegen.kernels.render import render
+from tunegen.kernels.render import Rendered, render
 
 HOPPER = Gpu("H100", (9, 0), 132, 232448, triton.__version__, "", "cuda")
 BARRIER = re.compile(r"\bbar\.sync\s+(\d+),\s*(\d+);")
 
 
-def barriers(source: str, folder: pathlib.Path) -> list[tuple[int, str, str]]:
+def barriers(rendered: Rendered) -> list[tuple[int, str, str]]:
     """(source line, its text, the barrier's id and thread count) of each bar.sync in the PTX of
     the module's main kernel."""
-    path = folder / "module.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("ws_barriers_module", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    types, constexprs = module.signature("bf16")
-    kernel = module.KERNELS["main"]
-    attrs = {
-        i: [["tt.divisibility", 16]]
-        for i, name in enumerate(kernel.arg_names)
-        if name.startswith("stride_") or types[name].startswith("*")
-    }
-    compiled = triton.compile(
-        GluonASTSource(kernel, types, constexprs=constexprs, attrs=attrs),
-        target=GPUTarget("cuda", 90, 32),
-        options={**COMPILE_OPTIONS, **module.OPTIONS["main"]},
-    )
+    compiled = compile_kernel(CompileJob(rendered, "bfloat16", (9, 0), "main"))
+    source = rendered.source
     lines, text = compiled.asm["ptx"].splitlines(), source.splitlines()
     found = []
     for i, line in enumerate(lines):
@@ -69,16 +49,15 @@ def main() -> None:
     ap.add_argument("--changes", default="{}", help="knobs changed from the default Variant, as JSON")
     args = ap.parse_args()
     print(f"Triton {triton.__version__}, sm_90, backward ws whole-wave kernel, changes {args.changes}")
-    with tempfile.TemporaryDirectory() as folder:
-        for d in (64, 128):
-            problem = Problem("backward", "bfloat16", d, False, 16, 8, 2, 4096, 4096)
-            variant = backward.FAMILY.default_variant(problem, HOPPER).replace(**json.loads(args.changes))
-            features = backward.FAMILY.features(problem, HOPPER)
-            rendered = render(backward.FAMILY.template, "backward", variant, features)
-            found = barriers(rendered.source, pathlib.Path(folder))
-            print(f"\nhead dim {d}: {len(found)} bar.sync ({variant.num_warps} consumer warps)")
-            for number, line, barrier in found:
-                print(f"  bar.sync {barrier:8s} before line {number:4d}: {line[:90]}")
+    for d in (64, 128):
+        problem = Problem("backward", "bfloat16", d, False, 16, 8, 2, 4096, 4096)
+        variant = backward.FAMILY.default_variant(problem, HOPPER).replace(**json.loads(args.changes))
+        features = backward.FAMILY.features(problem, HOPPER)
+        rendered = render(backward.FAMILY.template, "backward", variant, features)
+        found = barriers(rendered)
+        print(f"\nhead dim {d}: {len(found)} bar.sync ({variant.num_warps} consumer warps)")
+        for number, line, barrier in found:
+            print(f"  bar.sync {barrier:8s} before line {number:4d}: {line[:90]}")
 
 
 if __name__ == "__main__":

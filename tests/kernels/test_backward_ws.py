@@ -40,6 +40,7 @@ PROBLEM = Problem("backward", "bfloat16", 128, True, 16, 4, 2, 4096, 4096)
         ({"dq_write": "store"}, "dq_write: expected one of"),
         ({"split_tail": True, "deterministic": True}, "split_tail: deterministic adds take turns"),
         ({"split_warpgroups": True, "num_warps": 4, "dkdv_block_n": 64}, "split_warpgroups: splits two"),
+        ({"paired_walk": True, "split_warpgroups": True}, "paired_walk: pairs the steps of one"),
     ],
 )
 def test_ws_variant_rejects_knobs_that_do_not_apply(changes, message):
@@ -58,7 +59,7 @@ def test_loop_variants_keep_the_ws_knobs_at_their_defaults():
 def test_ws_space_on_hopper_only_and_searched_apart_from_the_loops():
     space = backward.FAMILY.search_space(PROBLEM, H100)
     assert space["schedule"] == ["loops", "ws"] and space["deterministic"] == [False]
-    assert space["split_warpgroups"] == [False, True]
+    assert space["split_warpgroups"] == [False, True] and space["paired_walk"] == [False, True]
     assert backward.FAMILY.search_space(PROBLEM, interpreter_gpu())["schedule"] == ["loops"]
     ws = base.choose(backward.FAMILY, space, lambda name, values: values[-1])
     assert ws["schedule"] == "ws" and "dq_mode" not in ws and "dq_block_m" not in ws and "load" not in ws
@@ -110,7 +111,8 @@ def test_ws_default_adds_dq_from_registers_and_deterministic_takes_the_writer_wa
 def test_ws_default_follows_the_release_it_was_measured_on():
     """From Triton 3.7 on, a table of its own (a third slot without a causal mask, the writer warp
     under one at head dim 128), and from 3.9 each consumer warpgroup a partition of its own; 3.6
-    keeps its own; every default and its fixed-order form fit."""
+    keeps its own; before 3.9 head dim 64 walks in pairs; every default and its fixed-order form
+    fit."""
     later = {(64, False): ("atomic", 3), (64, True): ("atomic", 2), (128, False): ("atomic", 3)}
     later[128, True] = ("tma", 2)
     tables = {"3.6.0": dict.fromkeys(later, ("atomic", 2)), "3.7.1": later, "3.9.0": later}
@@ -121,6 +123,7 @@ def test_ws_default_follows_the_release_it_was_measured_on():
             default = backward.FAMILY.default_variant(problem, gpu)
             assert (default.dq_write, default.num_stages, default.kv_regs) == (dq_write, stages, d == 64)
             assert default.split_warpgroups == (version == "3.9.0")
+            assert default.paired_walk == (version != "3.9.0" and d == 64)
             fixed = backward.FAMILY.deterministic(default, problem, gpu)
             assert fixed.dq_write == "tma" and fixed.deterministic
             assert fixed.split_warpgroups == default.split_warpgroups
@@ -152,6 +155,12 @@ KNOBS = [
         {"split_warpgroups": True, "deterministic": True, "order": "heaviest_first"},
         {"split_warpgroups": True, "dq_write": "atomic", "deterministic": True},
         {"split_warpgroups": True, "split_tail": True, "dq_write": "atomic", "num_stages": 3},
+        {"paired_walk": True},
+        {"paired_walk": True, "dq_write": "atomic", "kv_regs": True},
+        {"paired_walk": True, "deterministic": True, "order": "heaviest_first", "num_stages": 3},
+        {"paired_walk": True, "dq_write": "atomic", "deterministic": True},
+        {"paired_walk": True, "num_warps": 4, "dkdv_block_n": 64, "dq_write": "atomic"},
+        {"paired_walk": True, "split_tail": True, "dq_write": "atomic", "kv_regs": True},
     )
 ]
 
@@ -214,6 +223,7 @@ def test_split_tail_against_float64_twice_on_one_stream(batch, hq, hkv, n, d):
         {"num_warps": 4, "dkdv_block_n": 64, "producer_regs": 40},
         {"split_warpgroups": True, "dq_write": "atomic", "kv_regs": d == 64},
         {"split_warpgroups": True, "dq_write": "tma"},
+        {"paired_walk": True, "dq_write": "atomic", "kv_regs": d == 64},
     ):
         variant = WS.replace(split_tail=True, **knobs)
         for _ in range(2):
@@ -223,11 +233,11 @@ def test_split_tail_against_float64_twice_on_one_stream(batch, hq, hkv, n, d):
 
 @pytest.mark.gpu
 @HOPPER
-@pytest.mark.parametrize("split_warpgroups", [False, True])
+@pytest.mark.parametrize("walk", [{}, {"split_warpgroups": True}, {"paired_walk": True}], ids=str)
 @pytest.mark.parametrize("dq_write", ["tma", "atomic"])
-def test_deterministic_gradients_are_the_same_bits_every_run(dq_write, split_warpgroups):
+def test_deterministic_gradients_are_the_same_bits_every_run(dq_write, walk):
     """Many key tiles adding into each query tile, causal and not; ten runs, one result."""
-    deterministic = WS.replace(dq_write=dq_write, deterministic=True, split_warpgroups=split_warpgroups)
+    deterministic = WS.replace(dq_write=dq_write, deterministic=True, **walk)
     q, k, v, dout = qkv_dout(2, 4, 2, 1500, 1500, 128, torch.bfloat16, "cuda", seed=5)
     for causal in (False, True):
         first = run_backward_variant(deterministic, q, k, v, dout, causal=causal, scale=0.1)

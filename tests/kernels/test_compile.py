@@ -10,8 +10,10 @@ import multiprocessing
 import os
 from pathlib import Path
 
+import pytest
 import triton
 
+from tunegen.kernels import releases
 from tunegen.kernels.compiler import CompileJob, compile_many
 from tunegen.kernels.families import backward, decode, prefill
 from tunegen.kernels.gpu import Gpu
@@ -121,10 +123,10 @@ def test_backward_kernels_compile_for_hopper():
 
 def test_backward_hopper_schedule_compiles_within_its_constraint():
     """The backward's Hopper schedule (its default at head dims 64 and 128, causal and not, GQA;
-    dQ by atomics, deterministic by either dQ path; a partition per consumer warpgroup; without a
-    causal mask the split tail's launch too) and its row-wise kernels compile for sm_90 on
-    the installed release, within shared memory and the spill bound its register constraint was
-    calibrated to."""
+    dQ by atomics, deterministic by either dQ path; a partition per consumer warpgroup; the walk
+    in pairs and not; without a causal mask the split tail's launch too) and its row-wise kernels
+    compile for sm_90 on the installed release, within shared memory and the spill bound its
+    register constraint was calibrated to."""
     gpu = dataclasses.replace(TARGETS["hopper"], triton_version=triton.__version__)
     family = backward.FAMILY
     jobs = []
@@ -133,8 +135,10 @@ def test_backward_hopper_schedule_compiles_within_its_constraint():
         (64, False, {}),
         (128, False, {"dq_write": "atomic", "deterministic": True, "split_tail": False}),
         (64, True, {"deterministic": True}),
-        (128, True, {"split_warpgroups": True}),
-        (64, False, {"split_warpgroups": True}),
+        (128, True, {"split_warpgroups": True, "paired_walk": False}),
+        (64, False, {"split_warpgroups": True, "paired_walk": False}),
+        (128, False, {"paired_walk": True, "split_warpgroups": False}),
+        (64, True, {"paired_walk": False}),
     ):
         problem = Problem("backward", "bfloat16", d, causal, 32, 8, 2, 4096, 4096)
         variant = family.default_variant(problem, gpu).replace(**changes)
@@ -147,6 +151,38 @@ def test_backward_hopper_schedule_compiles_within_its_constraint():
         gluon = job.kernel in ("main", "tail")
         assert report.shared_bytes <= gpu.smem_per_block and (not gluon or report.shared_bytes > 0)
         assert report.local_bytes is not None and report.local_bytes <= WS_BACKWARD_SPILL_BOUND, job.kernel
+
+
+def _barriers_between_arrivals(job: CompileJob) -> list[int]:
+    import re
+
+    from tunegen.kernels.compiler import compile_kernel
+
+    marks = re.findall(r"cp\.async\.mbarrier\.arrive|\bbar\.sync\b", compile_kernel(job).asm["ptx"])
+    runs = "".join("a" if m.startswith("cp") else "b" for m in marks).split("a")[1:-1]
+    return [len(run) for run in runs]
+
+
+@pytest.mark.skipif(
+    releases.of(triton.__version__).version >= (3, 9),
+    reason="3.9 puts barriers of its own in a step (before P's conversion, before dQ's adds)",
+)
+@pytest.mark.parametrize("causal", [False, True])
+def test_paired_walk_leaves_one_barrier_a_step(causal):
+    """What paired_walk is for: in the walk of head dim 64 (its default on 3.6), between one
+    step's per-thread arrivals on the ring's "empty" and the next's, the PTX holds a single CTA
+    barrier, the one before dQ; the knob off, three (benchmarks/results/issue30_ws_barriers_*)."""
+    gpu = dataclasses.replace(TARGETS["hopper"], triton_version=triton.__version__)
+    problem = Problem("backward", "bfloat16", 64, causal, 16, 8, 2, 4096, 4096)
+    variant = backward.FAMILY.default_variant(problem, gpu).replace(split_warpgroups=False, paired_walk=True)
+    rendered = render(backward.FAMILY.template, "backward", variant, backward.FAMILY.features(problem, gpu))
+    with (
+        interpreting(False),
+        concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool,
+    ):
+        job = CompileJob(rendered, "bfloat16", (9, 0), "main")
+        runs = pool.submit(_barriers_between_arrivals, job).result()
+    assert runs and min(runs) == 1, runs
 
 
 def test_fp8_variants_compile_for_hopper_with_e4m3_tensor_cores():

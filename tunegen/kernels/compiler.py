@@ -49,44 +49,50 @@ class CompileJob:
     kernel: str | None = None
 
 
-def compile_for(job: CompileJob) -> CompileReport:
-    """Compile one rendered kernel in this process (which must never have interpreted a kernel)."""
+def compile_kernel(job: CompileJob):
+    """Triton's compiled kernel (PTX, cubin, metadata) of one rendered kernel, compiled in this
+    process (which must never have interpreted a kernel); raises the compiler's error."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    try:
-        module = load(job.rendered, interpret=False)
-        if job.kernel is None:
-            kernel = module.KERNEL
-            types, constexprs = module.signature(TRITON_DTYPES[job.dtype])
-        else:
-            kernel = module.KERNELS[job.kernel]
-            types, constexprs = module.signature(TRITON_DTYPES[job.dtype], job.kernel)
-        # As a launch on 16-byte aligned tensors would: pointers and strides divisible by 16,
-        # which is what lets Triton pipeline the loads (and what sizes shared memory).
-        aligned = [
-            (i,)
-            for i, name in enumerate(kernel.arg_names)
-            if name.startswith("stride_") or types[name].startswith("*")
-        ]
-        attrs = {index: [["tt.divisibility", 16]] for index in aligned}
-        if kernel.is_gluon():
-            from triton.experimental.gluon._runtime import GluonASTSource
+    module = load(job.rendered, interpret=False)
+    if job.kernel is None:
+        kernel = module.KERNEL
+        types, constexprs = module.signature(TRITON_DTYPES[job.dtype])
+    else:
+        kernel = module.KERNELS[job.kernel]
+        types, constexprs = module.signature(TRITON_DTYPES[job.dtype], job.kernel)
+    # As a launch on 16-byte aligned tensors would: pointers and strides divisible by 16,
+    # which is what lets Triton pipeline the loads (and what sizes shared memory).
+    aligned = [
+        (i,)
+        for i, name in enumerate(kernel.arg_names)
+        if name.startswith("stride_") or types[name].startswith("*")
+    ]
+    attrs = {index: [["tt.divisibility", 16]] for index in aligned}
+    if kernel.is_gluon():
+        from triton.experimental.gluon._runtime import GluonASTSource
 
-            source = GluonASTSource(kernel, types, constexprs=constexprs, attrs=attrs)
-        else:
-            source = ASTSource(kernel, types, constexprs=constexprs, attrs=attrs)
-        arch = job.capability[0] * 10 + job.capability[1]
-        # Modules of several kernels may launch each with knobs of its own (OPTIONS per kernel).
-        options = getattr(module, "OPTIONS", {}).get(job.kernel) or {
-            "num_warps": module.NUM_WARPS,
-            "num_stages": module.NUM_STAGES,
-        }
-        options = {**COMPILE_OPTIONS, **options}
-        if getattr(module, "MAXNREG", None) is not None:
-            options["maxnreg"] = module.MAXNREG
-        compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+        source = GluonASTSource(kernel, types, constexprs=constexprs, attrs=attrs)
+    else:
+        source = ASTSource(kernel, types, constexprs=constexprs, attrs=attrs)
+    arch = job.capability[0] * 10 + job.capability[1]
+    # Modules of several kernels may launch each with knobs of its own (OPTIONS per kernel).
+    options = getattr(module, "OPTIONS", {}).get(job.kernel) or {
+        "num_warps": module.NUM_WARPS,
+        "num_stages": module.NUM_STAGES,
+    }
+    options = {**COMPILE_OPTIONS, **options}
+    if getattr(module, "MAXNREG", None) is not None:
+        options["maxnreg"] = module.MAXNREG
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def compile_for(job: CompileJob) -> CompileReport:
+    """Compile one rendered kernel in this process (which must never have interpreted a kernel)."""
+    try:
+        compiled = compile_kernel(job)
     except Exception as exc:  # the compiler's verdict is the result
         return CompileReport(job.capability, None, f"{type(exc).__name__}: {exc}")
     mma = tuple(sorted(set(re.findall(r"\b(?:wgmma\.mma_async|mma\.sync)[\w.]*", compiled.asm["ptx"]))))

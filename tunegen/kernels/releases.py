@@ -60,6 +60,12 @@ class Release:
         return "async_store" if self.version >= (3, 8) else "async_copy_shared_to_global"
 
     @property
+    def thread_barrier(self) -> str:
+        """Gluon's barrier over a partition's threads: `gl.barrier` from 3.7 (3.6 names it
+        `gl.thread_barrier`)."""
+        return "gl.barrier" if self.version >= (3, 7) else "gl.thread_barrier"
+
+    @property
     def tma_reduce_helper(self) -> bool:
         """Whether Gluon lacks a public TMA reduce-add (before 3.9): templates then define one over
         the builder op (`create_async_tma_reduce`) that 3.6 to 3.8 already have."""

@@ -65,7 +65,9 @@ class BackwardVariant(Variant):
     stream-K style as equal runs of their steps over a wave of programs, whose partial dK and dV
     the program starting each tile sums (no SM idles while the last tiles finish);
     split_warpgroups, two consumer warpgroups as two partitions of their own that meet once a
-    step over dSᵀ, rather than one partition of 8 warps whose barriers hold both. Knobs that do
+    step over dSᵀ, rather than one partition of 8 warps whose barriers hold both; paired_walk
+    (one partition), query tiles walked in pairs over two dSᵀ allocations and ring slots released
+    by every consumer thread, so that one CTA barrier is left in a step. Knobs that do
     not apply to a schedule keep their defaults, so that two different Variants are always two
     different kernels.
     """
@@ -92,6 +94,7 @@ class BackwardVariant(Variant):
     kv_regs: bool = False
     split_tail: bool = False
     split_warpgroups: bool = False
+    paired_walk: bool = False
 
     @property
     def consumer_regs(self) -> int:
@@ -156,6 +159,11 @@ class BackwardVariant(Variant):
             raise ValueError(
                 f"split_warpgroups: splits two consumer warpgroups (num_warps 8), "
                 f"got num_warps {self.num_warps}"
+            )
+        if self.paired_walk and self.split_warpgroups:
+            raise ValueError(
+                "paired_walk: pairs the steps of one consumer partition, whose barriers split_warpgroups "
+                "already splits; choose one"
             )
         if self.split_tail and self.deterministic:
             raise ValueError(
@@ -264,6 +272,7 @@ class BackwardFamily:
                 kv_regs=[False, True],
                 split_tail=[False] if problem.causal else [False, True],
                 split_warpgroups=[False, True],
+                paired_walk=[False, True],
             )
         return space
 

@@ -11,7 +11,15 @@ from tunegen.kernels.families.prefill_ws import REGISTER_FILE
 from tunegen.kernels.gpu import Gpu
 from tunegen.kernels.problem import Problem
 
-WS_KNOBS = ("dq_write", "deterministic", "producer_regs", "kv_regs", "split_tail", "split_warpgroups")
+WS_KNOBS = (
+    "dq_write",
+    "deterministic",
+    "producer_regs",
+    "kv_regs",
+    "split_tail",
+    "split_warpgroups",
+    "paired_walk",
+)
 # Registers per consumer thread beyond the tiles `ws_tile_registers` counts (indices, row
 # statistics, barrier phases): calibrated on sm_90 compiles with Triton 3.6, 3.7.1 and 3.9, where
 # within the bound ptxas spills at most 80 bytes per thread (3.9: 240 at head dim 128, causal),
@@ -73,7 +81,10 @@ def ws_default(problem: Problem, variant_type: Any, gpu: Gpu) -> Any:
     (`Release.ws_backward_table`) takes a third slot without a causal mask (3.7: +1-8%; 3.9:
     +1-4% at head dim 128, within 1% at 64) and at head dim 128 under one the writer warp's TMA
     reduce-add (3.7: +1-7%; 3.9: +1-3%); 3.9's runs each consumer warpgroup as a partition of its
-    own (`split_warpgroups`: +1-11% there on an H100 and an H200, 1-18% slower on 3.6)."""
+    own (`split_warpgroups`: +1-11% there on an H100 and an H200, 1-18% slower on 3.6). Before
+    3.9, head dim 64 walks its query tiles in pairs (`paired_walk`, one barrier a step: on an
+    H100 +1-4% on 3.6 and +2-8% on 3.7.1; 3.9's partitions run 2-5% faster than its pairs; at
+    head dim 128 the pairs spill and run 8-12% slower)."""
     default = variant_type(
         64,
         128,
@@ -85,9 +96,11 @@ def ws_default(problem: Problem, variant_type: Any, gpu: Gpu) -> Any:
         split_tail=not problem.causal,
     )
     table = releases.of(gpu.triton_version).ws_backward_table
+    default = default.replace(
+        split_warpgroups=table >= (3, 9), paired_walk=table < (3, 9) and problem.head_dim <= 64
+    )
     if table < (3, 7):
         return default
-    default = default.replace(split_warpgroups=table >= (3, 9))
     if problem.causal:
         return default.replace(dq_write="tma") if problem.head_dim > 64 else default
     return default.replace(num_stages=3)
