@@ -83,8 +83,8 @@ def ws_default(problem: Problem, variant_type: Any, gpu: Gpu) -> Any:
     reduce-add (3.7: +1-7%; 3.9: +1-3%); 3.9's runs each consumer warpgroup as a partition of its
     own (`split_warpgroups`: +1-11% there on an H100 and an H200, 1-18% slower on 3.6). Before
     3.9, head dim 64 walks its query tiles in pairs (`paired_walk`, one barrier a step: on an
-    H100 +1-4% on 3.6 and +2-8% on 3.7.1; 3.9's partitions run 2-5% faster than its pairs; at
-    head dim 128 the pairs spill and run 8-12% slower)."""
+    H100 +2-3% sustained on 3.6, 0-4% in rotated rounds, and +2-8% on 3.7.1; 3.9's partitions
+    run 2-5% faster than its pairs; at head dim 128 the pairs spill and run 8-13% slower)."""
     default = variant_type(
         64,
         128,
