@@ -153,6 +153,10 @@ WS_KNOBS = [
     dict(dkdv_block_m=128),
     dict(kv_regs=True),
     dict(kv_regs=True, num_stages=3),
+    dict(dq_write="atomic", split_tail=True),
+    dict(dq_write="atomic", split_warpgroups=True),
+    dict(dq_write="atomic", paired_walk=True),
+    dict(dq_write="atomic", kv_regs=True, paired_walk=True),
 ]
 
 
@@ -221,6 +225,9 @@ def label(v: dict) -> str:
                 (f"producer{v['producer_regs']}", v["producer_regs"] != 24),
                 ("kv-regs", v["kv_regs"]),
                 ("heaviest", v["order"] == "heaviest_first"),
+                ("split-tail", v.get("split_tail", False)),
+                ("split-warpgroups", v.get("split_warpgroups", False)),
+                ("paired", v.get("paired_walk", False)),
             )
             if on
         ]
