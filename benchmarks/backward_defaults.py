@@ -225,9 +225,9 @@ def label(v: dict) -> str:
                 (f"producer{v['producer_regs']}", v["producer_regs"] != 24),
                 ("kv-regs", v["kv_regs"]),
                 ("heaviest", v["order"] == "heaviest_first"),
-                ("split-tail", v.get("split_tail", False)),
-                ("split-warpgroups", v.get("split_warpgroups", False)),
-                ("paired", v.get("paired_walk", False)),
+                ("split-tail", v["split_tail"]),
+                ("split-warpgroups", v["split_warpgroups"]),
+                ("paired", v["paired_walk"]),
             )
             if on
         ]

@@ -31,8 +31,7 @@ def barriers(rendered: Rendered) -> list[tuple[int, str, str]]:
     """(source line, its text, the barrier's id and thread count) of each bar.sync in the PTX of
     the module's main kernel."""
     compiled = compile_kernel(CompileJob(rendered, "bfloat16", (9, 0), "main"))
-    source = rendered.source
-    lines, text = compiled.asm["ptx"].splitlines(), source.splitlines()
+    lines, text = compiled.asm["ptx"].splitlines(), rendered.source.splitlines()
     found = []
     for i, line in enumerate(lines):
         match = BARRIER.search(line)

@@ -8,6 +8,7 @@ import concurrent.futures
 import dataclasses
 import multiprocessing
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -154,8 +155,6 @@ def test_backward_hopper_schedule_compiles_within_its_constraint():
 
 
 def _barriers_between_arrivals(job: CompileJob) -> list[int]:
-    import re
-
     from tunegen.kernels.compiler import compile_kernel
 
     marks = re.findall(r"cp\.async\.mbarrier\.arrive|\bbar\.sync\b", compile_kernel(job).asm["ptx"])

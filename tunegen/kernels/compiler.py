@@ -16,10 +16,14 @@ import subprocess
 import tempfile
 import threading
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from tunegen.kernels.environ import environment
 from tunegen.kernels.releases import COMPILE_OPTIONS
 from tunegen.kernels.render import Rendered, interpreting, load
+
+if TYPE_CHECKING:
+    from triton.compiler.compiler import CompiledKernel
 
 TRITON_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 
@@ -49,7 +53,7 @@ class CompileJob:
     kernel: str | None = None
 
 
-def compile_kernel(job: CompileJob):
+def compile_kernel(job: CompileJob) -> CompiledKernel:
     """Triton's compiled kernel (PTX, cubin, metadata) of one rendered kernel, compiled in this
     process (which must never have interpreted a kernel); raises the compiler's error."""
     import triton
