@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import triton
 
-from tunegen.kernels.compiler import CompileJob
+from tunegen.kernels.compiler import CompileJob, compile_kernel
 from tunegen.kernels.families import backward
 from tunegen.kernels.gpu import Gpu
 from tunegen.kernels.problem import Problem
@@ -34,6 +34,15 @@ def probes(monkeypatch):
         sys.modules.pop(name, None)
 
 
+@pytest.fixture
+def base(tmp_path) -> str:
+    """The default module at head dim 128 without a causal mask, dQ added from registers, as
+    `backward_ab.py render base` would write it into `tmp_path`."""
+    source = _rendered(False, dq_write="atomic").source
+    (tmp_path / "base_d128_nc.py").write_text(source)
+    return source
+
+
 def _rendered(causal: bool, **changes) -> Rendered:
     problem = Problem("backward", "bfloat16", 128, causal, 16, 16, 1, 4096, 4096)
     variant = backward.FAMILY.default_variant(problem, HOPPER).replace(**changes)
@@ -41,16 +50,12 @@ def _rendered(causal: bool, **changes) -> Rendered:
 
 
 def _red_count(source: str) -> int:
-    from tunegen.kernels.compiler import compile_kernel
-
     rendered = Rendered("backward", source, hashlib.sha256(source.encode()).hexdigest()[:16])
     ptx = compile_kernel(CompileJob(rendered, "bfloat16", (9, 0), "main")).asm["ptx"]
     return len(re.findall(r"red\.global\.add\.v4\.f32", ptx))
 
 
-def test_probes_guard_or_halve_every_reduction_and_skip_the_tma_path(probes, tmp_path):
-    base = _rendered(False, dq_write="atomic").source
-    (tmp_path / "base_d128_nc.py").write_text(base)
+def test_probes_guard_or_halve_every_reduction_and_skip_the_tma_path(probes, base, tmp_path):
     (tmp_path / "base_d128_c.py").write_text(_rendered(True, dq_write="tma").source)
     written = probes.make_probes("base", list(probes.PROBES), tmp_path)
     assert sorted(p.name for p in written) == [f"base-{n}_d128_nc.py" for n in sorted(probes.PROBES)]
@@ -71,9 +76,7 @@ def test_probes_guard_or_halve_every_reduction_and_skip_the_tma_path(probes, tmp
         probes.make_probes("other", ["half_steps"], tmp_path)
 
 
-def test_half_columns_leaves_half_the_vector_reductions_in_the_ptx(probes, tmp_path):
-    base = _rendered(False, dq_write="atomic").source
-    (tmp_path / "base_d128_nc.py").write_text(base)
+def test_half_columns_leaves_half_the_vector_reductions_in_the_ptx(probes, base, tmp_path):
     (halved,) = probes.make_probes("base", ["half_columns"], tmp_path)
     with (
         interpreting(False),
@@ -83,10 +86,8 @@ def test_half_columns_leaves_half_the_vector_reductions_in_the_ptx(probes, tmp_p
     assert full > 0 and half * 2 == full, (full, half)
 
 
-def test_the_probes_change_the_reductions_and_nothing_else(probes, tmp_path):
+def test_the_probes_change_the_reductions_and_nothing_else(probes, base, tmp_path):
     """Undoing a probe's edit (its guards, or its `_reduce_add`) gives back the rendered module."""
-    base = _rendered(False, dq_write="atomic").source
-    (tmp_path / "base_d128_nc.py").write_text(base)
     fn = re.compile(r"def _reduce_add\(ptrs, values\):.*?\n\n\n", re.S)
     for path in probes.make_probes("base", list(probes.PROBES), tmp_path):
         source = re.sub(r"^( *)if [^\n]*:\n\1    (_reduce_add\()", r"\1\2", path.read_text(), flags=re.M)
