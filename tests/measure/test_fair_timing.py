@@ -27,6 +27,7 @@ from tunegen.kernels.reference import attention_reference
 from tunegen.measure import bench, report, rows
 from tunegen.measure.suites import fp8_decode_suite
 from tunegen.tuning import timing
+from tunegen.tuning.rounds import round_order
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 FLAGS = {
@@ -165,14 +166,32 @@ def test_the_report_reads_fp8_cache_peers_as_16_bit():
     assert peer.bytes == 2 * ours.bytes
 
 
-def test_fewer_rounds_still_rotate_by_equal_shares(monkeypatch):
+def test_fewer_rounds_still_start_by_equal_shares(monkeypatch):
     order = []
     monkeypatch.setattr(timing, "median_ms", lambda fn, impl, **_: order.append(impl) or 1.0)
     calls = {name: float for name in "abcdef"}
     assert timing.interleaved_ms(calls, rounds=3) == dict.fromkeys("abcdef", 1.0)
-    assert [order[i : i + 6] for i in (0, 6, 12)] == [list("abcdef"), list("cdefab"), list("efabcd")]
+    assert ["".join(order[i : i + 6]) for i in (0, 6, 12)] == ["abfced", "cdbeaf", "efdacb"]
     with pytest.raises(ValueError, match="rounds: expected at least 1 round, got 0"):
         timing.interleaved_ms(calls, rounds=0)
+
+
+@pytest.mark.parametrize("count", [2, 4, 5, 6, 9])
+def test_full_rounds_start_with_each_call_and_put_it_behind_changing_calls(count):
+    """As many rounds as calls: each round times every call, each call starts one round, and no
+    call follows the same one in every round, as a plain rotation would leave it; for an even
+    count, a Latin square (each call once in every position) where each call follows each other
+    exactly once."""
+    rows = [round_order(count, i, count) for i in range(count)]
+    assert all(sorted(row) == list(range(count)) for row in rows)
+    assert sorted(row[0] for row in rows) == list(range(count))
+    pairs = [(row[k], row[k + 1]) for row in rows for k in range(count - 1)]
+    for call in range(count):
+        behind = {before for before, after in pairs if after == call}
+        assert len(behind) >= min(2, count - 1), (call, behind)
+    if count % 2 == 0:
+        assert all(sorted(column) == list(range(count)) for column in zip(*rows, strict=True))
+        assert len(set(pairs)) == len(pairs) == count * (count - 1)
 
 
 @pytest.fixture

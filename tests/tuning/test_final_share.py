@@ -145,13 +145,13 @@ def test_once_the_second_round_has_started_here_it_runs_here(taken):
     retiming.poll()
     assert helpers.withdrawn != taken
     results = retiming.results()
-    assert gpu.ran == [(v, HALF) for v in ("a", "b", "c", "b", "c", "a")], "the second round rotated"
+    assert gpu.ran == [(v, HALF) for v in ("a", "b", "c", "c", "b", "a")], "the second round in its own order"
     assert [r["ms"] for r in results] == ([65.0, 66.0, 67.0] if taken else [97.0, 98.0, 99.0])
 
 
-def test_a_helper_times_the_round_it_took_over_rotated():
-    """The helper's side: each finalist for its part of the time, starting at the second; the
-    results in the finalists' order."""
+def test_a_helper_times_the_round_it_took_over_in_its_order():
+    """The helper's side: each finalist for its part of the time, in the second round's order
+    (`round_order`: the last first); the results in the finalists' order."""
     gpu = _Gpu()
     gpu.go.set()
 
@@ -160,7 +160,7 @@ def test_a_helper_times_the_round_it_took_over_rotated():
             return gpu.submit
 
     results = Helper().help_final(PROBLEMS[0], PAYLOADS, 1, ROUNDS)
-    assert gpu.ran == [("b", HALF), ("c", HALF), ("a", HALF)]
+    assert gpu.ran == [("c", HALF), ("b", HALF), ("a", HALF)]
     assert [r["ms"] for r in results] == [97.0, 98.0, 99.0]
 
 

@@ -17,6 +17,8 @@ import statistics
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from tunegen.tuning.rounds import round_order
+
 # Rounds of a final round that a helper may share: one for this process, one for a helper.
 ROUNDS = 2
 
@@ -57,11 +59,10 @@ def queue(
     submit: Callable[[Result], concurrent.futures.Future], payloads: list[Result], index: int, rounds: int
 ) -> list[concurrent.futures.Future]:
     """Queue round `index` of `rounds` on the GPU (`submit`): every finalist, each for 1/`rounds`
-    of its time, starting at a different one in each round (as `timing.interleaved_ms` rotates),
-    so that the rounds time each finalist early and late alike; futures in `payloads` order."""
-    shift = index * len(payloads) // rounds
+    of its time, in the order `round_order` gives that round, so that the rounds time each
+    finalist early and late alike; futures in `payloads` order."""
     futures: dict[int, concurrent.futures.Future] = {}
-    for k in [*range(shift, len(payloads)), *range(shift)]:
+    for k in round_order(len(payloads), index, rounds):
         futures[k] = submit({**payloads[k], "rep_ms": payloads[k]["rep_ms"] / rounds})
     return [futures[k] for k in range(len(payloads))]
 
