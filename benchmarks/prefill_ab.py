@@ -2,7 +2,8 @@
 the family's default Variant rendered from this tree's templates and, with `--old-templates`, from
 another copy of them (an older commit: `git archive REV templates | tar -x -C old`), beside the
 default made persistent with the dynamic scheduler (and the other tiles a dynamic scheduler
-might want), each with one and with two query slots per consumer, and cuDNN.
+might want), each with one and with two query slots per consumer, and cuDNN. `--candidates
+default` keeps the default alone; each `--also` adds the default with some knobs changed.
 
 Each Variant is built and checked against float64 at a ragged size (GQA, poisoned output) in
 worker processes first (prefill_defaults.py's check), then on sampled rows of each shape, and the
@@ -29,7 +30,7 @@ from prefill_defaults import (
     check_in_workers,
     checked_launch,
 )
-from sweep import time_in_rounds
+from sweep import ROUNDS, time_in_rounds
 
 from tunegen.kernels.families import base, prefill
 from tunegen.kernels.gpu import cuda_gpu
@@ -79,6 +80,25 @@ def main() -> None:
     ap.add_argument("--causal", default="both", choices=["both", "true", "false"])
     ap.add_argument("--kv-heads", type=int, default=None, help="KV heads (default: as many as query heads)")
     ap.add_argument("--old-templates", help="a folder of templates to render the defaults from too")
+    ap.add_argument(
+        "--candidates",
+        default="all",
+        choices=["all", "default"],
+        help="'default': time the default alone (beside its old-templates copy and the peers)",
+    )
+    ap.add_argument(
+        "--also",
+        action="append",
+        default=[],
+        metavar="JSON",
+        help="the default with these knobs changed, as another candidate (e.g. '{\"mask_branch\": true}')",
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        help="timing rounds per shape (default: with --candidates default, one per call timed, so that each "
+        "is timed once in every position; else sweep.py's)",
+    )
     ap.add_argument("--workers", type=int, default=14)
     ap.add_argument("--hang-s", type=float, default=120.0)
     ap.add_argument("-o", "--output")
@@ -88,6 +108,14 @@ def main() -> None:
     shapes = prefill_suite(seqlens, dims, causal, kv_heads=args.kv_heads)
     gpu = cuda_gpu(0)
     named = {shape: candidates(shape.problem("bfloat16"), gpu) for shape in shapes}
+    if args.candidates == "default":
+        named = {shape: {"default": variants["default"]} for shape, variants in named.items()}
+    for changes in map(json.loads, args.also):
+        label = "default " + " ".join(f"{k}={v}" for k, v in changes.items())
+        for variants in named.values():
+            variant = variants["default"]
+            if variant.schedule == "ws" and variant.replace(**changes) not in variants.values():
+                variants[label] = variant.replace(**changes)
     jobs = sorted({(_bucket(shape), v.to_json()) for shape in shapes for v in named[shape].values()}, key=str)
     print(f"{len(jobs)} kernels to build and check", flush=True)
     checked = check_in_workers(_compile_and_check, jobs, args.workers, args.hang_s)
@@ -123,7 +151,7 @@ def main() -> None:
                 checked_launch(kernel, rec, shape, (q, k, v, out, gen), timed)
             except Exception as exc:  # a candidate that fails at this shape is a result, not the run's end
                 rec["note"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-        time_in_rounds(timed)
+        time_in_rounds(timed, rounds=args.rounds or (len(timed) if args.candidates == "default" else ROUNDS))
         for rec, _ in timed:
             rec["tflops"] = problem.flops() / rec["ms"] / 1e9
         _print_shape(shape, [rec for rec, _ in timed])

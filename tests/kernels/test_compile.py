@@ -219,6 +219,7 @@ def test_ws_variants_compile_for_sm90_with_wgmma_and_without_spilling():
     grouped = dataclasses.replace(ws, block_n=64, num_stages=3, order="grouped")
     pair = dataclasses.replace(ws, block_n=64, consumers=1, pingpong=False, ctas_per_sm=2)
     dynamic = {"persistent": True, "dynamic": True}
+    branch = {"mask_branch": True}
     cases = [  # dtype, head dim, causal, KV heads, lse, variant
         ("bfloat16", 128, True, 4, True, ws),
         ("float16", 128, False, 16, False, dataclasses.replace(ws, consumers=1, pingpong=False)),
@@ -232,6 +233,8 @@ def test_ws_variants_compile_for_sm90_with_wgmma_and_without_spilling():
         ("bfloat16", 128, True, 4, True, dataclasses.replace(ws, q_stages=2, **dynamic)),
         ("bfloat16", 64, True, 16, False, dataclasses.replace(pair, q_stages=2, **dynamic)),
         ("e4m3", 128, True, 16, True, dataclasses.replace(ws, order="grouped", **dynamic)),
+        ("bfloat16", 128, True, 4, False, dataclasses.replace(ws, q_stages=2, **branch, **dynamic)),
+        ("bfloat16", 64, True, 16, True, dataclasses.replace(ws, consumers=3, overlap=False, **branch)),
     ]
     admitted, jobs = [], []
     for case in cases:

@@ -168,6 +168,12 @@ KNOBS = [
     dataclasses.replace(WS, persistent=True, q_stages=2),
     dataclasses.replace(PAIR, persistent=True, dynamic=True),
     dataclasses.replace(PAIR, persistent=True, dynamic=True, q_stages=2, order="grouped", reverse_m=True),
+    dataclasses.replace(WS, mask_branch=True),
+    dataclasses.replace(WS, mask_branch=True, overlap=False, pingpong=False),
+    dataclasses.replace(
+        WS, mask_branch=True, consumers=3, block_n=64, persistent=True, dynamic=True, q_stages=2
+    ),
+    dataclasses.replace(PAIR, mask_branch=True, block_m=128, persistent=True, dynamic=True, q_stages=2),
 ]
 
 
@@ -253,6 +259,9 @@ PERSISTENT = [
     dataclasses.replace(WS, consumers=3, block_n=64, persistent=True, dynamic=True, q_stages=2, num_stages=4),
     dataclasses.replace(PAIR, persistent=True, q_stages=2, order="head_inner", reverse_m=True),
     dataclasses.replace(PAIR, persistent=True, dynamic=True, q_stages=2, order="grouped", reverse_m=True),
+    dataclasses.replace(
+        WS, persistent=True, dynamic=True, q_stages=2, order="grouped", reverse_m=True, mask_branch=True
+    ),
 ]
 
 

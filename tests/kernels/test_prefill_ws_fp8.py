@@ -47,6 +47,7 @@ FP8_KNOBS = [
     dataclasses.replace(WS, block_n=64, consumers=1, pingpong=False, ctas_per_sm=2, order="grouped"),
     dataclasses.replace(WS, consumers=3, overlap=False, persistent=True, order="head_inner"),
     dataclasses.replace(WS, persistent=True, dynamic=True, order="grouped", reverse_m=True, q_stages=2),
+    dataclasses.replace(WS, mask_branch=True),
 ]
 
 

@@ -68,6 +68,8 @@ def test_ws_features_are_rendered_away():
     assert "turn_bars.index(cid), phase)" in plain
     assert "turn_bars.index(cid), phase)" not in _render(ws.replace(pingpong=False)).source
     assert "if seqlen_k > 0:" in plain and "if seqlen_k > 0:" not in _render(ws.replace(overlap=False)).source
+    one_loop = "for j in range(1, n_blocks):"
+    assert one_loop in _render(ws.replace(mask_branch=True)).source and one_loop not in plain
     assert "MAXNREG = None" in plain
     two = ws.replace(consumers=1, pingpong=False, block_n=64, ctas_per_sm=2)
     assert "MAXNREG = 128" in _render(two).source

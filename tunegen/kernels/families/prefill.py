@@ -27,10 +27,6 @@ SCHEDULES = ("fa2", "ws")
 FA2_KNOBS = ("num_warps", "causal_split", "load", "p_fp8", "v_trans")
 
 
-def _pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
 @dataclasses.dataclass(frozen=True)
 class PrefillVariant(Variant):
     """Knobs of templates/attention_fwd.py.j2.
@@ -57,9 +53,10 @@ class PrefillVariant(Variant):
     num_programs-th; q_stages, query slots per consumer of a persistent program (2: the next
     tile's query rows load while this tile's products run); producer_regs, the TMA producer's
     registers per thread (the consumers share the rest); ctas_per_sm, programs sharing an SM (2:
-    one consumer each, registers capped at launch); order and reverse_m. num_warps is 4 (one
-    warpgroup). Knobs that do not apply to a schedule keep their defaults, so that two
-    different Variants are always two different kernels.
+    one consumer each, registers capped at launch); mask_branch, one key-block loop masking in a
+    branch, not a second, masked copy (a fifth of the kernel); order and reverse_m. num_warps is
+    4. Knobs that do not apply to a schedule keep their defaults, so that two different Variants
+    are always two different kernels.
     """
 
     family: ClassVar[str] = "prefill"
@@ -83,6 +80,7 @@ class PrefillVariant(Variant):
     ctas_per_sm: int = 1
     dynamic: bool = False
     q_stages: int = 1
+    mask_branch: bool = False
 
     @property
     def consumer_regs(self) -> int:
@@ -103,7 +101,7 @@ class PrefillVariant(Variant):
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
             value = getattr(self, name)
-            if not (_pow2(value) and 16 <= value <= 256):
+            if value not in (16, 32, 64, 128, 256):
                 raise ValueError(f"{name}: expected a power of two from 16 to 256, got {value}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"num_warps: expected 1, 2, 4, 8 or 16, got {self.num_warps}")
@@ -195,12 +193,12 @@ def _ws_default(problem: Problem, gpu: Gpu) -> PrefillVariant | None:
 def _ws_measured(problem: Problem, gpu: Gpu) -> PrefillVariant | None:
     """The Hopper schedule's measured best per head dim, mask and length on an H100 with Triton
     3.6 (bf16: benchmarks/results/issue31_h100.md, over prefill_ws_h100.md; FP8: fp8_h100.md), or
-    None where it does not run or launches less than one wave of 128-row tiles, where the
-    schedule's machinery buys nothing and its launch, which encodes four TMA descriptors, costs
-    twice FA2's (benchmarks/results/launch_h100.md). For 16-bit inputs, persistent programs take
-    their tiles from the dynamic scheduler but at causal head dim 128 up to 512 tokens (where
-    two non-persistent one-consumer programs per SM lead), with two query slots per consumer
-    but at causal head dim 64 past 4096 tokens."""
+    None where it does not run or launches less than one wave of 128-row tiles (its launch encodes
+    four TMA descriptors, twice FA2's cost: benchmarks/results/launch_h100.md). For 16-bit inputs,
+    persistent programs on the dynamic scheduler, but at causal head dim 128 up to 512 tokens (two
+    non-persistent one-consumer programs per SM), with two query slots per consumer but at causal
+    head dim 64 past 4096 tokens, and `mask_branch` at causal head dim 128 from 1024 to 2048
+    tokens and head dim 64 past 4096."""
     if not runs_ws(problem, gpu):
         return None
     if problem.batch * problem.num_heads_q * -(-problem.seqlen_q // 128) < gpu.sm_count:
@@ -218,7 +216,7 @@ def _ws_measured(problem: Problem, gpu: Gpu) -> PrefillVariant | None:
     if problem.head_dim == 128:
         if not problem.causal:
             return two.replace(**dynamic)
-        return pair if n <= 512 else two.replace(pingpong=True, **dynamic)
+        return pair if n <= 512 else two.replace(pingpong=True, mask_branch=n <= 2048, **dynamic)
     three = two.replace(consumers=3, pingpong=True, overlap=False, **dynamic)
     if not problem.causal:
         if n <= 512:
@@ -226,7 +224,7 @@ def _ws_measured(problem: Problem, gpu: Gpu) -> PrefillVariant | None:
         if n <= 1024:
             return two.replace(pingpong=True, **dynamic)
         return three
-    return pair.replace(block_m=128, **dynamic) if n <= 4096 else three.replace(q_stages=1)
+    return pair.replace(block_m=128, **dynamic) if n <= 4096 else three.replace(q_stages=1, mask_branch=True)
 
 
 def fa2_default(problem: Problem, gpu: Gpu) -> PrefillVariant:
@@ -343,6 +341,7 @@ class PrefillFamily:
                 ctas_per_sm=[1, 2],
                 dynamic=[False, True],
                 q_stages=[1, 2],
+                mask_branch=[False, True],
             )
         return space
 

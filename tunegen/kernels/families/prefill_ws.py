@@ -19,6 +19,7 @@ WS_KNOBS = (
     "persistent",
     "producer_regs",
     "ctas_per_sm",
+    "mask_branch",
     *PERSISTENT_KNOBS,
 )
 REGISTER_FILE = 65536  # 32-bit registers per SM on every GPU tunegen targets
