@@ -1,7 +1,8 @@
 """Two versions of the backward's Hopper template, side by side: render the default Variant of
 each (head dim 64 and 128, causal and not) from a template file into modules here (no GPU needed),
 then, on the GPU, check every module's gradients against cuDNN's on the same inputs and time them
-with cuDNN's backward in rotated rounds (CUDA events, 6 rounds of a few calls each, the median).
+with cuDNN's backward in rounds, each in its own order (`tunegen.tuning.rounds.round_order`; CUDA
+events, 6 rounds of a few calls each, the median).
 
 A version is a template file (an older one from git: `git show REV:templates/_attention_bwd_ws.j2
 > old.j2`) and knobs changed from the default Variant, under a tag:
@@ -174,6 +175,7 @@ def time_versions(tags: list[str], seqlens: list[int], sustain: float = 0.0) -> 
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from tunegen.kernels.launch_args import BackwardArgs
+    from tunegen.tuning.rounds import round_order
 
     rows = []
     for name, problem in _problems():
@@ -219,7 +221,7 @@ def time_versions(tags: list[str], seqlens: list[int], sustain: float = 0.0) -> 
             torch.cuda.synchronize()
             times = {t: [] for t in names}
             for r in range(6):
-                for t in names[r % len(names) :] + names[: r % len(names)]:
+                for t in (names[k] for k in round_order(len(names), r, 6)):
                     times[t] += _ms_of(calls[t], reps)
             median = {t: sorted(x)[len(x) // 2] for t, x in times.items()}
             tflops = {t: flops / median[t] / 1e9 for t in median}

@@ -8,7 +8,7 @@ persistent grid. Every Variant is compiled in parallel worker processes first an
 against float64 at a ragged GQA size with gradients poisoned; Triton's cache is shared on disk, so
 the timing process reuses those builds. Then each is checked again on every suite shape (float64
 gradients of the same inputs), and the shape's Variants and peers that passed are timed together
-in rotated rounds (sweep.py). A kernel that hangs in its check stops the run after --hang-s
+in interleaved rounds (sweep.py). A kernel that hangs in its check stops the run after --hang-s
 seconds with what was measured so far written out.
 
     python benchmarks/backward_defaults.py --head-dims 128 --seqlens 1024,4096,16384 -o bwd.json

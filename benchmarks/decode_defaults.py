@@ -4,7 +4,7 @@ Problems, the current default among them.
 
 Per Problem, one full cache of random tokens (contiguous, or in shuffled pages) on the GPU; each
 Variant's output, poisoned first, is checked against SDPA's float32 math on the same tokens
-(within bf16's bound); the Variants that passed are then timed together in rotated rounds
+(within bf16's bound); the Variants that passed are then timed together in interleaved rounds
 (sweep.py; L2 flushed, median). Writes every row and prints, per Problem, the default's GB/s
 beside the best Variant's.
 

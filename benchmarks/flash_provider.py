@@ -2,7 +2,7 @@
 functions (issue 35's target: within 3% of calling `tunegen.attention` directly), with cuDNN's
 SDPA beside them as the peer the registry displaces on Hopper.
 
-Per shape, forward and forward + backward, in rotated rounds (tunegen.tuning.timing.interleaved_ms):
+Per shape, forward and forward + backward, in interleaved rounds (tunegen.tuning.timing.interleaved_ms):
 - tunegen: `tunegen.attention` on (batch, heads, seqlen, head_dim);
 - sdpa-flash: `scaled_dot_product_attention` on the same tensors with tunegen activated as the
   flash provider (SDPA's flash backend pinned around the timing, as for any SDPA peer);

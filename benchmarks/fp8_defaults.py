@@ -6,7 +6,7 @@ the quantize step alone, in one run.
 Each Variant is built and checked against float64 on the dequantized inputs at a ragged size (GQA,
 lengths no tile divides, outputs poisoned) in parallel worker processes first; then each is checked
 again on sampled rows of each shape, and the shape's Variants, the bf16 implementations and the
-quantize step are timed together in rotated rounds (sweep.py). Results are written after every
+quantize step are timed together in interleaved rounds (sweep.py). Results are written after every
 shape.
 
     python benchmarks/fp8_defaults.py --seqlens 2048,16384 -o fp8_defaults_h100.json

@@ -7,7 +7,7 @@ default` keeps the default alone; each `--also` adds the default with some knobs
 
 Each Variant is built and checked against float64 at a ragged size (GQA, poisoned output) in
 worker processes first (prefill_defaults.py's check), then on sampled rows of each shape, and the
-shape's candidates and cuDNN are timed together in rotated rounds (sweep.py).
+shape's candidates and cuDNN are timed together in rounds, each in its own order (sweep.py).
 
     python benchmarks/prefill_ab.py --old-templates old/templates --seqlens 512,1024,4096 -o ab.json
 """
@@ -35,6 +35,7 @@ from sweep import ROUNDS, time_in_rounds
 from tunegen.kernels.families import base, prefill
 from tunegen.kernels.gpu import cuda_gpu
 from tunegen.measure.suites import Shape, prefill_suite
+from tunegen.tuning.rounds import balanced_rounds
 
 OLD = "default (old templates)"
 
@@ -96,8 +97,8 @@ def main() -> None:
     ap.add_argument(
         "--rounds",
         type=int,
-        help="timing rounds per shape (default: with --candidates default, one per call timed, so that each "
-        "is timed once in every position; else sweep.py's)",
+        help="timing rounds per shape (default: with --candidates default, `balanced_rounds` of the calls "
+        "timed, each call as often early as late and behind each other; else sweep.py's)",
     )
     ap.add_argument("--workers", type=int, default=14)
     ap.add_argument("--hang-s", type=float, default=120.0)
@@ -112,10 +113,13 @@ def main() -> None:
         named = {shape: {"default": variants["default"]} for shape, variants in named.items()}
     for changes in map(json.loads, args.also):
         label = "default " + " ".join(f"{k}={v}" for k, v in changes.items())
-        for variants in named.values():
-            variant = variants["default"]
-            if variant.schedule == "ws" and variant.replace(**changes) not in variants.values():
-                variants[label] = variant.replace(**changes)
+        for shape, variants in named.items():
+            if variants["default"].schedule != "ws":
+                continue
+            variant = variants["default"].replace(**changes)
+            admitted = prefill.FAMILY.constraint(variant, shape.problem("bfloat16"), gpu) is None
+            if admitted and variant not in variants.values():
+                variants[label] = variant
     jobs = sorted({(_bucket(shape), v.to_json()) for shape in shapes for v in named[shape].values()}, key=str)
     print(f"{len(jobs)} kernels to build and check", flush=True)
     checked = check_in_workers(_compile_and_check, jobs, args.workers, args.hang_s)
@@ -151,7 +155,8 @@ def main() -> None:
                 checked_launch(kernel, rec, shape, (q, k, v, out, gen), timed)
             except Exception as exc:  # a candidate that fails at this shape is a result, not the run's end
                 rec["note"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-        time_in_rounds(timed, rounds=args.rounds or (len(timed) if args.candidates == "default" else ROUNDS))
+        rounds = max(1, balanced_rounds(len(timed))) if args.candidates == "default" else ROUNDS
+        time_in_rounds(timed, rounds=args.rounds if args.rounds is not None else rounds)
         for rec, _ in timed:
             rec["tflops"] = problem.flops() / rec["ms"] / 1e9
         _print_shape(shape, [rec for rec, _ in timed])

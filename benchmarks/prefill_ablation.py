@@ -1,7 +1,7 @@
 """What each technique of the Hopper schedule gains on its own: the prefill kernel at a few suite
 shapes as FlashAttention-2's loop, then warp-specialized with two consumers, then with ping-pong,
 with the softmax overlapped, with both, persistent, beside cuDNN; all checked against float64 on
-sampled rows, then timed together in rotated rounds (`tunegen.measure.rows.check_then_time`).
+sampled rows, then timed together in interleaved rounds (`tunegen.measure.rows.check_then_time`).
 
     python benchmarks/prefill_ablation.py --head-dim 128 --seqlens 4096,16384 -o ablation.json
 """

@@ -6,7 +6,7 @@ Compiles every Variant in parallel worker processes first, each checked there ag
 ragged size (GQA, lengths no tile divides, outputs poisoned); Triton's cache is shared on disk, so
 the timing process reuses those builds. Then, on the GPU, each Variant is checked again on sampled
 rows of each suite shape, and the shape's Variants and peers that passed are timed together in
-rotated rounds (sweep.py). A kernel that hangs in its check stops the run after `--hang-s` seconds
+interleaved rounds (sweep.py). A kernel that hangs in its check stops the run after `--hang-s` seconds
 with what was measured so far written out.
 
     python benchmarks/prefill_defaults.py --seqlens 1024,4096,16384 --schedules ws -o ws.json

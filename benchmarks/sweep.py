@@ -1,6 +1,6 @@
 """What the defaults sweeps (`*_defaults.py`) share with `tunegen bench`: the candidates and peers
-of one shape, each checked first, are timed together in rotated rounds
-(`tunegen.tuning.timing.interleaved_ms`, the bench's own rotation), never one after another:
+of one shape, each checked first, are timed together in rounds, each in its own order
+(`tunegen.tuning.timing.interleaved_ms`, as the bench times), never one after another:
 a GPU's clocks drift under sustained load, by more than separates the candidates."""
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ import torch
 from tunegen.kernels.problem import DTYPE_NAMES
 
 MAX_HEAD_DIM = 256
+FLOAT32_TINY = 2.0**-126  # float32's smallest normal number
 
 
 def tensor_arg(
@@ -176,7 +177,9 @@ def descale_arg(
 
 
 def check_scale(scale: object, head_dim: int) -> float:
-    """The softmax scale: None means 1/sqrt(head_dim); otherwise a positive finite number."""
+    """The softmax scale: None means 1/sqrt(head_dim); otherwise a positive finite number that
+    float32, the kernels' arithmetic, holds as a normal number (a scale flushed to 0 would turn
+    masked scores, -inf, into NaN)."""
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
     if (
@@ -186,6 +189,11 @@ def check_scale(scale: object, head_dim: int) -> float:
         or scale <= 0
     ):
         raise ValueError(f"scale: expected None or a positive finite float, got {scale!r}")
+    if scale < FLOAT32_TINY:
+        raise ValueError(
+            f"scale: expected None or a positive finite float of at least 2**-126 (float32's smallest "
+            f"normal), got {scale!r}"
+        )
     return float(scale)
 
 

@@ -307,6 +307,18 @@ def test_every_suite_default_is_a_variant_the_schedule_takes(fp8, kv_heads):
         assert prefill.FAMILY.constraint(variant, problem, H100) is None, (shape, variant)
 
 
+def test_the_defaults_mask_in_a_branch_where_it_measured_faster():
+    """`mask_branch` in the H100 defaults exactly where it measured faster (issue31_h100.md):
+    causal head dim 128 past 512 tokens up to 2048, causal head dim 64 past 4096; never for FP8."""
+    for shape in prefill_suite((512, 1024, 2048, 4096, 8192, 16384), (64, 128)):
+        problem = shape.problem("bfloat16")
+        n, d = shape.seqlen, shape.head_dim
+        wanted = shape.causal and (512 < n <= 2048 if d == 128 else n > 4096)
+        assert prefill.FAMILY.default_variant(problem, H100).mask_branch == wanted, shape
+        fp8 = dataclasses.replace(problem, fp8=True)
+        assert not prefill.FAMILY.default_variant(fp8, H100).mask_branch, shape
+
+
 def test_below_one_wave_of_tiles_the_default_is_fa2():
     """The Hopper schedule where a Problem fills the GPU with 128-row tiles; FA2's loop, whose
     launch costs half as much, below that."""

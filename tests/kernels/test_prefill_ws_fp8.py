@@ -37,6 +37,9 @@ def test_ws_takes_fp8_within_its_budget(d, changes, reason):
     assert "ws" in prefill.FAMILY.search_space(FP8, H100)["schedule"]
     with pytest.raises(ValueError, match="varlen takes 'fa2'"):
         prefill.FAMILY.check_variant(WS, dataclasses.replace(FP8, varlen=True), H100)
+    with pytest.raises(ValueError, match=r"variant\.mask_branch: fp8 masks its scores after scaling"):
+        prefill.FAMILY.check_variant(dataclasses.replace(WS, mask_branch=True), FP8, H100)
+    assert prefill.FAMILY.search_space(FP8, H100)["mask_branch"] == [False]
 
 
 FP8_KNOBS = [
@@ -47,7 +50,6 @@ FP8_KNOBS = [
     dataclasses.replace(WS, block_n=64, consumers=1, pingpong=False, ctas_per_sm=2, order="grouped"),
     dataclasses.replace(WS, consumers=3, overlap=False, persistent=True, order="head_inner"),
     dataclasses.replace(WS, persistent=True, dynamic=True, order="grouped", reverse_m=True, q_stages=2),
-    dataclasses.replace(WS, mask_branch=True),
 ]
 
 

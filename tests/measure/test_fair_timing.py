@@ -1,5 +1,5 @@
 """Every implementation is timed the same way (issue 27): an SDPA peer's backend is chosen once
-around its timing, never by each timed call; the defaults sweeps time in the bench's rotated
+around its timing, never by each timed call; the defaults sweeps time in the bench's interleaved
 rounds; a peer of an FP8-cache decode is credited with the 16-bit bytes it reads; and the fair
 rerun's summary reads what its steps write. All but the last run on the CPU: SDPA's math and
 flash backends run there, and the GPU's clock is stood in for."""
@@ -27,7 +27,7 @@ from tunegen.kernels.reference import attention_reference
 from tunegen.measure import bench, report, rows
 from tunegen.measure.suites import fp8_decode_suite
 from tunegen.tuning import timing
-from tunegen.tuning.rounds import round_order
+from tunegen.tuning.rounds import balanced_rounds, round_order
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 FLAGS = {
@@ -176,22 +176,24 @@ def test_fewer_rounds_still_start_by_equal_shares(monkeypatch):
         timing.interleaved_ms(calls, rounds=0)
 
 
-@pytest.mark.parametrize("count", [2, 4, 5, 6, 9])
-def test_full_rounds_start_with_each_call_and_put_it_behind_changing_calls(count):
-    """As many rounds as calls: each round times every call, each call starts one round, and no
-    call follows the same one in every round, as a plain rotation would leave it; for an even
-    count, a Latin square (each call once in every position) where each call follows each other
-    exactly once."""
-    rows = [round_order(count, i, count) for i in range(count)]
+@pytest.mark.parametrize("count", range(1, 10))
+def test_balanced_rounds_time_each_call_early_and_late_behind_every_other(count):
+    """Over `balanced_rounds` rounds each round times every call, each call's mean position is the
+    same, and each call follows every other one, not the same one in every round as a plain
+    rotation would leave it; for an even count, a Latin square (each call once in every position)
+    where each call follows each other exactly once."""
+    rounds = balanced_rounds(count)
+    assert rounds == (count + count % 2 if count > 1 else 1)
+    rows = [round_order(count, i, rounds) for i in range(rounds)]
     assert all(sorted(row) == list(range(count)) for row in rows)
-    assert sorted(row[0] for row in rows) == list(range(count))
+    assert len({sum(row.index(call) for row in rows) for call in range(count)}) == 1
     pairs = [(row[k], row[k + 1]) for row in rows for k in range(count - 1)]
     for call in range(count):
-        behind = {before for before, after in pairs if after == call}
-        assert len(behind) >= min(2, count - 1), (call, behind)
+        assert {before for before, after in pairs if after == call} == set(range(count)) - {call}
     if count % 2 == 0:
         assert all(sorted(column) == list(range(count)) for column in zip(*rows, strict=True))
         assert len(set(pairs)) == len(pairs) == count * (count - 1)
+    assert round_order(0, 0, 3) == []
 
 
 @pytest.fixture
@@ -202,7 +204,7 @@ def benchmarks_path(monkeypatch):
         sys.modules.pop(name, None)
 
 
-def test_the_sweeps_time_their_candidates_in_the_benchs_rotated_rounds(benchmarks_path, monkeypatch):
+def test_the_sweeps_time_their_candidates_in_the_benchs_interleaved_rounds(benchmarks_path, monkeypatch):
     sweep = importlib.import_module("sweep")
     order = []
     monkeypatch.setattr(timing, "median_ms", lambda fn, impl, **_: order.append(impl) or fn())

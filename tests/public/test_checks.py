@@ -63,7 +63,7 @@ def test_mixed_devices_rejected_on_meta():
         tunegen.attention(q, k, v.to("meta"))
 
 
-@pytest.mark.parametrize("scale", [0.0, -1.0, float("nan"), float("inf"), "0.1", True])
+@pytest.mark.parametrize("scale", [0.0, -1.0, float("nan"), float("inf"), "0.1", True, 1e-40])
 def test_bad_scale(scale):
     with pytest.raises(ValueError, match=r"scale: expected None or a positive finite float"):
         tunegen.attention(*qkv(), scale=scale)

@@ -78,7 +78,7 @@ def check_then_time(
     calls: dict[str, tuple[Callable[[], Any], Callable[[Any], float], float]],
 ) -> dict[str, tuple[float | None, float | None, str]]:
     """Run each call once and check its error against float64 within its bound; then time the
-    calls that passed together, in rotated rounds (`interleaved_ms`). Each call is named by its
+    calls that passed together, in interleaved rounds (`interleaved_ms`). Each call is named by its
     implementation, whose setting (`peers.pinned`) the check and the timing enter around it.
     Returns, per name, (median ms, relative error, note); the note is "n/a (why)" for an
     implementation that cannot run the inputs (asked quietly: see peers.quiet), "wrong: ..." for

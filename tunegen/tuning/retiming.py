@@ -3,7 +3,7 @@ where one is, or comes, while they run (final.py runs them; rank_process.HostHel
 helper through the host).
 
 Where a helper may come, the re-timings are split into ROUNDS rounds, each of which times every
-finalist for 1/ROUNDS of the final round's time, starting at a different one. This process queues
+finalist for 1/ROUNDS of the final round's time, each round in its own order. This process queues
 all of them; a helper that comes before the last round has started here takes that round over (it
 is withdrawn from this process's GPU) and times it on its own. Every round, whoever ran it, timed
 every finalist for as long, so the mean over the rounds favours none of them, even where one GPU

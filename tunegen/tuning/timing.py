@@ -13,7 +13,7 @@ import torch
 import triton.testing
 
 from tunegen.kernels import peers
-from tunegen.tuning.rounds import round_order
+from tunegen.tuning.rounds import balanced_rounds, round_order
 
 # Seconds one round of `per_call_us` may last: a call of milliseconds needs no 2000 repeats to
 # show its cost, and a decode over a 32k-token cache at batch 64 would take half a minute a round.
@@ -40,15 +40,15 @@ def interleaved_ms(
     calls: dict[str, Callable[[], object]], rep_ms: float = 200.0, rounds: int | None = None
 ) -> dict[str, float]:
     """Median time of each call (named by its implementation, see `median_ms`) over `rounds` rounds
-    (default: as many as there are calls), each round in its own order (`round_order`), so that
-    with the default every call is timed once in every position, and with fewer rounds early,
-    midway and late. A GPU's clocks drift under sustained load: timed one after another, the same
-    H100 kernel measured 648 and 609 TFLOP/s (first and second), more than separates the
-    implementations being compared."""
+    (default: `balanced_rounds`, as many as there are calls, one more for an odd count), each round
+    in its own order (`round_order`), so that with the default every call is timed as often early
+    as late and behind each other call, and with fewer rounds early, midway and late. A GPU's
+    clocks drift under sustained load: timed one after another, the same H100 kernel measured 648
+    and 609 TFLOP/s (first and second), more than separates the implementations being compared."""
     if rounds is not None and rounds < 1:
         raise ValueError(f"rounds: expected at least 1 round, got {rounds!r}")
     names = list(calls)
-    count = len(names) if rounds is None else rounds
+    count = balanced_rounds(len(names)) if rounds is None else rounds
     times: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(count):
         for name in (names[k] for k in round_order(len(names), round_, count)):

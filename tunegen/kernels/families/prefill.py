@@ -54,7 +54,7 @@ class PrefillVariant(Variant):
     tile's query rows load while this tile's products run); producer_regs, the TMA producer's
     registers per thread (the consumers share the rest); ctas_per_sm, programs sharing an SM (2:
     one consumer each, registers capped at launch); mask_branch, one key-block loop masking in a
-    branch, not a second, masked copy (a fifth of the kernel); order and reverse_m. num_warps is
+    branch, not a second, masked copy (the kernel a fifth shorter); order and reverse_m. num_warps is
     4. Knobs that do not apply to a schedule keep their defaults, so that two different Variants
     are always two different kernels.
     """
@@ -156,7 +156,7 @@ class PrefillVariant(Variant):
 def _check_fp8(variant: PrefillVariant, problem: Problem, gpu: Gpu) -> None:
     """What an fp8 Problem adds: padded batches, bf16 output, key tiles of at least 32 (e4m3
     products need K >= 32 on NVIDIA GPUs; checked on every backend so that the interpreter runs
-    only what a GPU can), tiles inside one scale block, and a GPU with e4m3 tensor cores."""
+    only what a GPU can), tiles in one scale block, no mask_branch, a GPU with e4m3 tensor cores."""
     if problem.varlen:
         raise ValueError("problem.varlen: fp8 prefill takes (batch, heads, seqlen, head_dim) inputs")
     if problem.dtype != "bfloat16":
@@ -168,6 +168,8 @@ def _check_fp8(variant: PrefillVariant, problem: Problem, gpu: Gpu) -> None:
             f"variant.block_m, variant.block_n: fp8 tiles must lie in one {SCALE_BLOCK}-row scale block, "
             f"got {variant.block_m} x {variant.block_n}"
         )
+    if variant.mask_branch:
+        raise ValueError("variant.mask_branch: fp8 masks its scores after scaling them (a descale may be 0)")
     if gpu.backend == "cuda" and gpu.capability < (8, 9):
         raise ValueError(
             f"problem.fp8: e4m3 tensor-core products need compute capability 8.9 or newer, "
@@ -197,8 +199,8 @@ def _ws_measured(problem: Problem, gpu: Gpu) -> PrefillVariant | None:
     four TMA descriptors, twice FA2's cost: benchmarks/results/launch_h100.md). For 16-bit inputs,
     persistent programs on the dynamic scheduler, but at causal head dim 128 up to 512 tokens (two
     non-persistent one-consumer programs per SM), with two query slots per consumer but at causal
-    head dim 64 past 4096 tokens, and `mask_branch` at causal head dim 128 from 1024 to 2048
-    tokens and head dim 64 past 4096."""
+    head dim 64 past 4096 tokens, and `mask_branch` at causal head dim 128 past 512 tokens up to
+    2048 and causal head dim 64 past 4096."""
     if not runs_ws(problem, gpu):
         return None
     if problem.batch * problem.num_heads_q * -(-problem.seqlen_q // 128) < gpu.sm_count:
@@ -341,7 +343,7 @@ class PrefillFamily:
                 ctas_per_sm=[1, 2],
                 dynamic=[False, True],
                 q_stages=[1, 2],
-                mask_branch=[False, True],
+                mask_branch=[False] if problem.fp8 else [False, True],
             )
         return space
 
