@@ -9,6 +9,8 @@ the PyTorch reference.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from tunegen import eager
@@ -37,19 +39,23 @@ def gradients(call: BackwardCall) -> Grads:
 
 class AttentionFunction(torch.autograd.Function):
     """A prefill call with gradients, for the eager path: `apply(q, k, v, call)` with the call's own
-    q, k, v (and `call.return_lse` True) returns (out, lse) and keeps both for the backward."""
+    q, k, v (and `call.return_lse` True) returns (out, lse) and keeps both for the backward.
+
+    The graph keeps q, k, v only as saved tensors, which autograd frees after the backward (or
+    keeps for another, under `retain_graph`) and checks for changes in place; the call's other
+    fields are kept without them."""
 
     @staticmethod
     def forward(ctx, q, k, v, call: PrefillCall):
         out, lse = eager.run(call)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.call = call
+        ctx.call = dataclasses.replace(call, q=None, k=None, v=None)
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        *_, out, lse = ctx.saved_tensors  # q, k, v are saved for autograd to catch their change in place
-        forward, ctx.call = ctx.call, None
+        q, k, v, out, lse = ctx.saved_tensors
+        forward = dataclasses.replace(ctx.call, q=q, k=k, v=v)
         grads = gradients(BackwardCall.checked(forward, out, lse, dout, dlse))
         return (*grads, None)

@@ -4,6 +4,9 @@ inputs, the fallback path, torch.compile and the custom ops, bad gradients."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -209,3 +212,23 @@ def test_a_log_sum_exp_laid_out_otherwise_gives_the_same_gradients():
     grads = torch.ops.tunegen.attention_backward(dout, q, k, v, out, permuted, None, True, 32**-0.5)
     forward = lambda q, k, v: attention_reference(q, k, v, causal=True, scale=32**-0.5)
     assert_grads(grads, reference_grads(forward, (q, k, v), dout), torch.float32)
+
+
+def test_a_retained_graph_gives_the_same_gradients_twice_and_frees_its_inputs_after(device):
+    """`retain_graph` runs the backward again on the same graph; without it, the graph keeps no
+    input once its backward ran, though its output lives on."""
+    q0, k, v, dout = qkv_dout(2, 4, 2, 21, 30, 32, torch.float32, device, seed=71)
+    q0, k, v = leaves(q0, k, v)
+    q = q0 * 1.5
+    out = tunegen.attention(q, k, v, causal=True)
+    first = torch.autograd.grad(out, (q0, k, v), dout, retain_graph=True)
+    second = torch.autograd.grad(out, (q0, k, v), dout)
+    forward = lambda q0, k, v: attention_reference(q0 * 1.5, k, v, causal=True, scale=32**-0.5)
+    assert_grads(first, reference_grads(forward, (q0, k, v), dout), torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    alive = weakref.ref(q)
+    del q
+    gc.collect()
+    assert alive() is None, "the graph kept q after its backward"
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        torch.autograd.grad(out, (q0, k, v), dout)
