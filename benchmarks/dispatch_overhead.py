@@ -38,7 +38,7 @@ from tunegen.kernels.gpu import cuda_gpu
 from tunegen.kernels.launch_args import DecodeArgs, PrefillArgs
 from tunegen.tuning.timing import per_call_us
 
-# The Hopper schedule's defaults for these head dims (tunegen/kernels/families/prefill.py, _ws_default),
+# The Hopper schedule's defaults for these head dims (tunegen/kernels/families/prefill_ws.py, ws_default),
 # which the defaults leave to FA2 below one wave of tiles.
 TINY_WS = prefill.PrefillVariant(
     schedule="ws",

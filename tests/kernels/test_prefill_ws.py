@@ -262,6 +262,12 @@ PERSISTENT = [
     dataclasses.replace(
         WS, persistent=True, dynamic=True, q_stages=2, order="grouped", reverse_m=True, mask_branch=True
     ),
+    dataclasses.replace(
+        WS, persistent=True, dynamic=True, q_stages=2, order="grouped", overlap=False, mask_branch=True
+    ),
+    dataclasses.replace(
+        PAIR, block_m=128, num_stages=3, persistent=True, dynamic=True, q_stages=2, order="grouped"
+    ),
 ]
 
 
@@ -309,14 +315,28 @@ def test_every_suite_default_is_a_variant_the_schedule_takes(fp8, kv_heads):
 
 def test_the_defaults_mask_in_a_branch_where_it_measured_faster():
     """`mask_branch` in the H100 defaults exactly where it measured faster (issue31_h100.md):
-    causal head dim 128 past 512 tokens up to 2048, causal head dim 64 past 4096; never for FP8."""
+    causal head dim 128 up to 2048 tokens, causal head dim 64 past 1024; never for FP8."""
     for shape in prefill_suite((512, 1024, 2048, 4096, 8192, 16384), (64, 128)):
         problem = shape.problem("bfloat16")
         n, d = shape.seqlen, shape.head_dim
-        wanted = shape.causal and (512 < n <= 2048 if d == 128 else n > 4096)
+        wanted = shape.causal and (n <= 2048 if d == 128 else n > 1024)
         assert prefill.FAMILY.default_variant(problem, H100).mask_branch == wanted, shape
         fp8 = dataclasses.replace(problem, fp8=True)
         assert not prefill.FAMILY.default_variant(fp8, H100).mask_branch, shape
+
+
+def test_short_causal_defaults_take_the_lightest_tiles_first():
+    """Causal prompts up to 2048 tokens at head dim 128 and 4096 at 64 take their tiles lightest
+    first (longer ones heaviest first), on the dynamic scheduler, with two consumers taking turns
+    without overlap but at head dim 64 up to 1024 tokens (issue31_h100.md, third session)."""
+    for shape in prefill_suite((512, 1024, 2048, 4096, 8192, 16384), (64, 128), (True,)):
+        variant = prefill.FAMILY.default_variant(shape.problem("bfloat16"), H100)
+        n, d = shape.seqlen, shape.head_dim
+        short = n <= (2048 if d == 128 else 4096)
+        assert variant.dynamic and variant.order == "grouped", shape
+        assert variant.reverse_m == (not short), shape
+        turns = (variant.consumers, variant.pingpong, variant.overlap) == (2, True, False)
+        assert turns == (short and (d == 128 or n > 1024)), shape
 
 
 def test_below_one_wave_of_tiles_the_default_is_fa2():

@@ -15,6 +15,7 @@ from tunegen.kernels.families.prefill_ws import (
     check_ws,
     runs_ws,
     ws_constraint,
+    ws_default,
 )
 from tunegen.kernels.fp8 import SCALE_BLOCK
 from tunegen.kernels.gpu import Gpu
@@ -177,58 +178,6 @@ def _check_fp8(variant: PrefillVariant, problem: Problem, gpu: Gpu) -> None:
         )
 
 
-# The Hopper schedule's two overlapped consumers of 64 rows: part of most measured bests, and
-# within every checked release's register budget at head dims 64 and 128.
-_WS_TWO = PrefillVariant(schedule="ws", block_m=64, block_n=128, consumers=2, overlap=True)
-
-
-def _ws_default(problem: Problem, gpu: Gpu) -> PrefillVariant | None:
-    """The Hopper schedule's measured best (`_ws_measured`) where the running release's register
-    budget admits it; where that release needs more registers than Triton 3.6, on which it was
-    measured, two overlapped consumers taking turns instead (the measured best elsewhere)."""
-    best = _ws_measured(problem, gpu)
-    if best is None or ws_constraint(best, problem, gpu) is None:
-        return best
-    return _WS_TWO.replace(pingpong=True, persistent=best.persistent)
-
-
-def _ws_measured(problem: Problem, gpu: Gpu) -> PrefillVariant | None:
-    """The Hopper schedule's measured best per head dim, mask and length on an H100 with Triton
-    3.6 (bf16: benchmarks/results/issue31_h100.md, over prefill_ws_h100.md; FP8: fp8_h100.md), or
-    None where it does not run or launches less than one wave of 128-row tiles (its launch encodes
-    four TMA descriptors, twice FA2's cost: benchmarks/results/launch_h100.md). For 16-bit inputs,
-    persistent programs on the dynamic scheduler, but at causal head dim 128 up to 512 tokens (two
-    non-persistent one-consumer programs per SM), with two query slots per consumer but at causal
-    head dim 64 past 4096 tokens, and `mask_branch` at causal head dim 128 past 512 tokens up to
-    2048 and causal head dim 64 past 4096."""
-    if not runs_ws(problem, gpu):
-        return None
-    if problem.batch * problem.num_heads_q * -(-problem.seqlen_q // 128) < gpu.sm_count:
-        return None
-    n = problem.seqlen_q
-    two = _WS_TWO
-    pair = two.replace(block_n=64, consumers=1, ctas_per_sm=2)  # two one-consumer programs per SM
-    if problem.fp8:  # benchmarks/results/fp8_h100.md (head dim 128; 64 takes the same, unmeasured)
-        if problem.causal:
-            return two.replace(overlap=False, order="grouped", reverse_m=True)
-        return two.replace(num_stages=3, persistent=True)
-    dynamic = {"persistent": True, "dynamic": True, "q_stages": 2}
-    if problem.causal:
-        dynamic.update(order="grouped", reverse_m=True)  # heaviest tiles first, per L2-sized group
-    if problem.head_dim == 128:
-        if not problem.causal:
-            return two.replace(**dynamic)
-        return pair if n <= 512 else two.replace(pingpong=True, mask_branch=n <= 2048, **dynamic)
-    three = two.replace(consumers=3, pingpong=True, overlap=False, **dynamic)
-    if not problem.causal:
-        if n <= 512:
-            return pair.replace(block_m=128, num_stages=3, **dynamic)
-        if n <= 1024:
-            return two.replace(pingpong=True, **dynamic)
-        return three
-    return pair.replace(block_m=128, **dynamic) if n <= 4096 else three.replace(q_stages=1, mask_branch=True)
-
-
 def fa2_default(problem: Problem, gpu: Gpu) -> PrefillVariant:
     """FlashAttention-2's loop as measured or guessed per GPU class and head dim: the default
     wherever schedule "ws" does not run or measured slower."""
@@ -381,7 +330,7 @@ class PrefillFamily:
         warp-specialized schedule wherever it runs and measured faster, FlashAttention-2's loop
         elsewhere. The other GPU classes' rows are conservative guesses.
         """
-        ws = _ws_default(problem, gpu)
+        ws = ws_default(problem, PrefillVariant, gpu)
         return ws if ws is not None else fa2_default(problem, gpu)
 
     def deterministic(self, variant: PrefillVariant, problem: Problem, gpu: Gpu) -> PrefillVariant:

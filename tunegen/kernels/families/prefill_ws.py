@@ -4,6 +4,8 @@ and registers a Variant of it needs."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from tunegen.kernels import releases
 from tunegen.kernels.gpu import Gpu
 from tunegen.kernels.problem import Problem
@@ -96,3 +98,59 @@ def ws_constraint(variant: Variant, problem: Problem, gpu: Gpu) -> str | None:
             f"{variant.consumers} consumers and a producer of {variant.producer_regs}"
         )
     return None
+
+
+def ws_default(problem: Problem, variant_type: Any, gpu: Gpu) -> Any:
+    """The Hopper schedule's measured best (`_ws_measured`) where the running release's register
+    budget admits it; where that release needs more registers than Triton 3.6, on which it was
+    measured, two overlapped consumers taking turns instead (the measured best elsewhere)."""
+    # Two overlapped consumers of 64 rows: part of most measured bests, and within every checked
+    # release's register budget at head dims 64 and 128.
+    two = variant_type(schedule="ws", block_m=64, block_n=128, consumers=2, overlap=True)
+    best = _ws_measured(problem, two, gpu)
+    if best is None or ws_constraint(best, problem, gpu) is None:
+        return best
+    return two.replace(pingpong=True, persistent=best.persistent)
+
+
+def _ws_measured(problem: Problem, two: Any, gpu: Gpu) -> Any:
+    """The Hopper schedule's measured best per head dim, mask and length on an H100 with Triton
+    3.6 (bf16: benchmarks/results/issue31_h100.md, over prefill_ws_h100.md; FP8: fp8_h100.md), or
+    None where it does not run or launches less than one wave of 128-row tiles (its launch encodes
+    four TMA descriptors, twice FA2's cost: benchmarks/results/launch_h100.md). For 16-bit inputs,
+    persistent programs on the dynamic scheduler, two query slots per consumer (one at causal head
+    dim 64 past 4096 tokens). Causal tiles heaviest first, but short prompts' (head dim 128 up to
+    2048 tokens, 64 up to 4096) lightest first as cuDNN's kernel takes them, there with two
+    consumers taking turns without overlap and `mask_branch` (at head dim 64 up to 1024 tokens,
+    one 128-row consumer over a third stage of keys instead); `mask_branch` also at causal head
+    dim 64 past 4096."""
+    if not runs_ws(problem, gpu):
+        return None
+    if problem.batch * problem.num_heads_q * -(-problem.seqlen_q // 128) < gpu.sm_count:
+        return None
+    n = problem.seqlen_q
+    pair = two.replace(block_n=64, consumers=1, ctas_per_sm=2)  # two one-consumer programs per SM
+    if problem.fp8:  # benchmarks/results/fp8_h100.md (head dim 128; 64 takes the same, unmeasured)
+        if problem.causal:
+            return two.replace(overlap=False, order="grouped", reverse_m=True)
+        return two.replace(num_stages=3, persistent=True)
+    dynamic = {"persistent": True, "dynamic": True, "q_stages": 2}
+    short = n <= (2048 if problem.head_dim == 128 else 4096)
+    if problem.causal:
+        dynamic.update(order="grouped", reverse_m=not short)  # per L2-sized group
+    # Two consumers taking turns, without overlap inside each (as cuDNN's kernel runs them).
+    turns = two.replace(pingpong=True, overlap=False, mask_branch=True, **dynamic)
+    if problem.head_dim == 128:
+        if not problem.causal:
+            return two.replace(**dynamic)
+        return turns if short else two.replace(pingpong=True, **dynamic)
+    three = two.replace(consumers=3, pingpong=True, overlap=False, **dynamic)
+    if not problem.causal:
+        if n <= 512:
+            return pair.replace(block_m=128, num_stages=3, **dynamic)
+        if n <= 1024:
+            return two.replace(pingpong=True, **dynamic)
+        return three
+    if n <= 1024:
+        return pair.replace(block_m=128, num_stages=3, **dynamic)
+    return turns if short else three.replace(q_stages=1, mask_branch=True)
