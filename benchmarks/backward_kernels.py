@@ -55,12 +55,16 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--seqlens", default="4096,16384")
     ap.add_argument("--causal", action="store_true")
-    ap.add_argument("--impls", default="tunegen,sdpa-cudnn")
+    ap.add_argument("--impls", default="tunegen,sdpa-cudnn", help="tunegen, SDPA backends")
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("-o", "--output")
     args = ap.parse_args()
     seqlens = tuple(int(n) for n in args.seqlens.split(","))
+    impls = args.impls.split(",")
+    unknown = [impl for impl in impls if impl != "tunegen" and impl not in peers.SDPA_BACKENDS]
+    if unknown:
+        ap.error(f"--impls: expected tunegen or SDPA backends {sorted(peers.SDPA_BACKENDS)}, got {unknown}")
     lines = [f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}"]
     for shape in prefill_suite(seqlens, (args.head_dim,), (args.causal,)):
         flops = (
@@ -72,7 +76,7 @@ def main() -> None:
             * shape.head_dim
             / (2 if shape.causal else 1)
         )
-        for impl in args.impls.split(","):
+        for impl in impls:
             times = breakdown(shape, impl, args.calls, args.warmup)
             total = sum(times.values())
             lines.append(
