@@ -1,6 +1,6 @@
 """The Hopper forward's techniques on and off at the suite's lengths: per (head dim, mask, length),
 the family's default Variant rendered from this tree's templates and, with `--old-templates`, from
-another copy of them (an older commit: `git archive REV templates | tar -x -C old`), beside the
+other copies of them (an older commit: `git archive REV templates | tar -x -C old`), beside the
 default made persistent with the dynamic scheduler (and the other tiles a dynamic scheduler
 might want), each with one and with two query slots per consumer, and cuDNN. `--candidates
 default` keeps the default alone; each `--also` adds the default with some knobs changed.
@@ -10,6 +10,8 @@ worker processes first (prefill_defaults.py's check), then on sampled rows of ea
 shape's candidates and cuDNN are timed together in rounds, each in its own order (sweep.py).
 
     python benchmarks/prefill_ab.py --old-templates old/templates --seqlens 512,1024,4096 -o ab.json
+    python benchmarks/prefill_ab.py --candidates default --old-templates recip=recip/templates \
+        --old-templates slot=slot/templates -o ab.json
 """
 
 from __future__ import annotations
@@ -80,7 +82,13 @@ def main() -> None:
     ap.add_argument("--head-dims", default="64,128")
     ap.add_argument("--causal", default="both", choices=["both", "true", "false"])
     ap.add_argument("--kv-heads", type=int, default=None, help="KV heads (default: as many as query heads)")
-    ap.add_argument("--old-templates", help="a folder of templates to render the defaults from too")
+    ap.add_argument(
+        "--old-templates",
+        action="append",
+        default=[],
+        metavar="[LABEL=]DIR",
+        help="a folder of templates to render the defaults from too (repeatable; LABEL names its column)",
+    )
     ap.add_argument(
         "--candidates",
         default="all",
@@ -143,13 +151,13 @@ def main() -> None:
             results.append(rec)
             if note is None:
                 kernels[name] = (rec, base.build(prefill.FAMILY, variant, problem, gpu))
-        if args.old_templates:
+        for label, folder in map(_labelled, args.old_templates):
             default = named[shape]["default"]
-            with _templates(pathlib.Path(args.old_templates)):
+            with _templates(pathlib.Path(folder)):
                 old = base.build(prefill.FAMILY, default, problem, gpu)
-            rec = _record(shape, OLD, default, None)
+            rec = _record(shape, label, default, None)
             results.append(rec)
-            kernels[OLD] = (rec, old)
+            kernels[label] = (rec, old)
         for rec, kernel in kernels.values():
             try:
                 checked_launch(kernel, rec, shape, (q, k, v, out, gen), timed)
@@ -164,6 +172,12 @@ def main() -> None:
             pathlib.Path(args.output).write_text(json.dumps({**provenance, "results": results}, indent=1))
         del q, k, v, out, timed, kernels
         torch.cuda.empty_cache()
+
+
+def _labelled(value: str) -> tuple[str, str]:
+    """An --old-templates value: (its label, default OLD; its folder)."""
+    label, _, folder = value.rpartition("=")
+    return (f"default ({label} templates)" if label else OLD), folder
 
 
 def _record(shape: Shape, impl: str, variant: prefill.PrefillVariant, note: str | None) -> dict:
