@@ -302,7 +302,7 @@ def main() -> None:
         for n in seqlens:
             shape = _sized(shape0, n)
             problem = _problem(shape)
-            flops = 2.5 * problem.flops()
+            flops = 2.5 * shape.flops()
             q, k, v, dout, out, lse, ref = _inputs(shape, shape.batch, n, seed=0)
             grads = [torch.empty_like(t) for t in (q, k, v)]
             timed = []

@@ -124,7 +124,10 @@ def main() -> None:
         for shape, variants in named.items():
             if variants["default"].schedule != "ws":
                 continue
-            variant = variants["default"].replace(**changes)
+            try:
+                variant = variants["default"].replace(**changes)
+            except ValueError:  # knobs this default's form cannot take (pingpong with one consumer)
+                continue
             admitted = prefill.FAMILY.constraint(variant, shape.problem("bfloat16"), gpu) is None
             if admitted and variant not in variants.values():
                 variants[label] = variant
@@ -166,7 +169,7 @@ def main() -> None:
         rounds = max(1, balanced_rounds(len(timed))) if args.candidates == "default" else ROUNDS
         time_in_rounds(timed, rounds=args.rounds if args.rounds is not None else rounds)
         for rec, _ in timed:
-            rec["tflops"] = problem.flops() / rec["ms"] / 1e9
+            rec["tflops"] = shape.flops() / rec["ms"] / 1e9
         _print_shape(shape, [rec for rec, _ in timed])
         if args.output:
             pathlib.Path(args.output).write_text(json.dumps({**provenance, "results": results}, indent=1))

@@ -54,7 +54,7 @@ def measure(shape, gpu) -> list[dict]:
     calls["sdpa-cudnn"] = (lambda: cudnn(q, k, v), check, TOLERANCE["bfloat16"])
     rows = []
     for name, (ms, err, note) in check_then_time(calls).items():
-        tflops = problem.flops() / ms / 1e9 if ms else None
+        tflops = shape.flops() / ms / 1e9 if ms else None
         rows.append(
             {"shape": shape.__dict__, "impl": name, "ms": ms, "tflops": tflops, "rel_err": err, "note": note}
         )

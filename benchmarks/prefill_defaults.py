@@ -277,7 +277,7 @@ def main() -> None:
         for n in seqlens:
             shape = _sized(shape0, n)
             problem = shape.problem("bfloat16")
-            flops = problem.flops()
+            flops = shape.flops()
             q, k, v, gen = _inputs(shape)
             out = torch.empty_like(q)
             timed = _check_peers(shape, q, k, v, gen, results)

@@ -339,6 +339,31 @@ def test_short_causal_defaults_take_the_lightest_tiles_first():
         assert turns == (short and (d == 128 or n > 1024)), shape
 
 
+def test_the_h200_takes_short_causal_tiles_lightest_first_over_fewer_lengths():
+    """The H200's own sweep: lightest first up to 1024 tokens at head dim 128 and 512 at 64,
+    heaviest first past that, in the same forms as the H100's (issue31_h200.md)."""
+    h200 = dataclasses.replace(H100, name="NVIDIA H200")
+    assert (h200.model, H100.model) == ("h200", "h100")
+    for shape in prefill_suite((512, 1024, 2048, 4096, 8192), (64, 128), (True,)):
+        problem = shape.problem("bfloat16")
+        on_h100 = prefill.FAMILY.default_variant(problem, H100)
+        on_h200 = prefill.FAMILY.default_variant(problem, h200)
+        lightest = shape.seqlen <= (1024 if shape.head_dim == 128 else 512)
+        assert on_h200 == on_h100.replace(reverse_m=not lightest), shape
+
+
+def test_short_prompts_without_a_mask_take_turns():
+    """Non-causal prompts up to 1024 tokens (at head dim 64 past 512) run two consumers taking
+    turns without overlap, on the dynamic scheduler, and without `mask_branch`, which has no
+    mask to branch on (issue31_h100.md, fourth session); longer ones keep their forms."""
+    for shape in prefill_suite((512, 768, 1024, 2048, 4096, 16384), (64, 128), (False,)):
+        variant = prefill.FAMILY.default_variant(shape.problem("bfloat16"), H100)
+        n, d = shape.seqlen, shape.head_dim
+        turns = (variant.consumers, variant.pingpong, variant.overlap) == (2, True, False)
+        assert turns == (n <= 1024 and (d == 128 or n > 512)), shape
+        assert variant.dynamic and not variant.mask_branch, shape
+
+
 def test_below_one_wave_of_tiles_the_default_is_fa2():
     """The Hopper schedule where a Problem fills the GPU with 128-row tiles; FA2's loop, whose
     launch costs half as much, below that."""

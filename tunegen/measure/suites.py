@@ -20,6 +20,10 @@ class Shape:
     head_dim: int
     causal: bool
 
+    def flops(self) -> float:
+        """Forward FLOPs at this Shape's exact sizes (its Problem holds their buckets)."""
+        return self.problem("bfloat16").flops(self.seqlen, self.seqlen, self.batch)
+
     def problem(self, dtype: str) -> Problem:
         return Problem.of(
             family="prefill",

@@ -123,7 +123,9 @@ def _ws_measured(problem: Problem, two: Any, gpu: Gpu) -> Any:
     2048 tokens, 64 up to 4096) lightest first as cuDNN's kernel takes them, there with two
     consumers taking turns without overlap and `mask_branch` (at head dim 64 up to 1024 tokens,
     one 128-row consumer over a third stage of keys instead); `mask_branch` also at causal head
-    dim 64 past 4096."""
+    dim 64 past 4096; on the H200, lightest first only up to 1024 tokens at head dim 128 and 512
+    at 64 (its own sweep, issue31_h200.md). Without a mask, prompts up to 1024 tokens take the
+    same turns (at head dim 64 past 512)."""
     if not runs_ws(problem, gpu):
         return None
     if problem.batch * problem.num_heads_q * -(-problem.seqlen_q // 128) < gpu.sm_count:
@@ -137,20 +139,19 @@ def _ws_measured(problem: Problem, two: Any, gpu: Gpu) -> Any:
     dynamic = {"persistent": True, "dynamic": True, "q_stages": 2}
     short = n <= (2048 if problem.head_dim == 128 else 4096)
     if problem.causal:
-        dynamic.update(order="grouped", reverse_m=not short)  # per L2-sized group
+        lightest = short if gpu.model != "h200" else n <= (1024 if problem.head_dim == 128 else 512)
+        dynamic.update(order="grouped", reverse_m=not lightest)  # per L2-sized group
     # Two consumers taking turns, without overlap inside each (as cuDNN's kernel runs them).
-    turns = two.replace(pingpong=True, overlap=False, mask_branch=True, **dynamic)
+    turns = two.replace(pingpong=True, overlap=False, **dynamic)
     if problem.head_dim == 128:
         if not problem.causal:
-            return two.replace(**dynamic)
-        return turns if short else two.replace(pingpong=True, **dynamic)
+            return turns if n <= 1024 else two.replace(**dynamic)
+        return turns.replace(mask_branch=True) if short else two.replace(pingpong=True, **dynamic)
     three = two.replace(consumers=3, pingpong=True, overlap=False, **dynamic)
     if not problem.causal:
         if n <= 512:
             return pair.replace(block_m=128, num_stages=3, **dynamic)
-        if n <= 1024:
-            return two.replace(pingpong=True, **dynamic)
-        return three
+        return turns if n <= 1024 else three
     if n <= 1024:
         return pair.replace(block_m=128, num_stages=3, **dynamic)
-    return turns if short else three.replace(q_stages=1, mask_branch=True)
+    return turns.replace(mask_branch=True) if short else three.replace(q_stages=1, mask_branch=True)
