@@ -106,7 +106,8 @@ def rebuild(w: WinnerRecord) -> Rebuilt:
 def problem_from_dict(data: Any) -> Problem:
     """A Problem from its fields, every one this release requires, of its type, and no other: a
     known family and dtype, head dim 1 to 256, positive head counts whose query heads are a
-    multiple of the KV heads, sizes >= 0, and a page size exactly where paged."""
+    multiple of the KV heads, sizes >= 0, a page size exactly where paged, and window sides of -1
+    or more (the right one -1 under causal) and a chunk >= 0."""
     if not isinstance(data, dict) or not data:
         raise ValueError(f"problem: expected an object of the Problem's fields, got {data!r}")
     fields = {f.name: f for f in dataclasses.fields(Problem)}
@@ -138,6 +139,20 @@ def problem_from_dict(data: Any) -> Problem:
         raise ValueError(
             f"problem.page_size: expected a size > 0 for paged Problems and 0 otherwise, got "
             f"{problem.page_size} with paged {problem.paged}"
+        )
+    for name in ("window_left", "window_right"):
+        if getattr(problem, name) < -1:
+            raise ValueError(
+                f"problem.{name}: expected -1 (unbounded) or a size >= 0, got {getattr(problem, name)}"
+            )
+    if problem.causal and problem.window_right != -1:
+        raise ValueError(
+            f"problem.window_right: expected -1 with causal (causal bounds the right side), got "
+            f"{problem.window_right}"
+        )
+    if problem.attention_chunk < 0:
+        raise ValueError(
+            f"problem.attention_chunk: expected 0 (no chunks) or a size > 0, got {problem.attention_chunk}"
         )
     return problem
 

@@ -158,7 +158,14 @@ def grid(family: Family, space: dict[str, list]) -> Iterator[Variant]:
 
 
 def build(family: Family, variant: Variant, problem: Problem, gpu: Gpu) -> Kernel:
-    """Check, render and import one Variant of `family` for `problem` on `gpu`."""
+    """Check, render and import one Variant of `family` for `problem` on `gpu`; refuses a Problem
+    with features of current models (`Problem.model_features`) that no template renders yet,
+    rather than build a kernel that would ignore them."""
+    if problem.model_features:
+        raise ValueError(
+            f"problem: the {family.name} kernels do not render {sorted(problem.model_features)} in this "
+            "release; call without them"
+        )
     family.check_variant(variant, problem, gpu)
     rendered = render(family.template, family.name, variant, family.features(problem, gpu))
     module = load(rendered, interpret=gpu.backend == "interpreter")
