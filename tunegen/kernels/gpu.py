@@ -41,8 +41,8 @@ class Gpu:
     @property
     def model(self) -> str:
         """The model whose own sweep picks the defaults where models of one arch measured apart:
-        "h200" (HBM3e, 4.8 TB/s: shorter rows turn compute-bound sooner than on the H100), "h100",
-        else the arch."""
+        "h200" (1.4x the H100's memory bandwidth; benchmarks/results/issue31_h200.md), "h100", else
+        the arch."""
         for model in ("H200", "H100"):
             if model in self.name.upper():
                 return model.lower()
