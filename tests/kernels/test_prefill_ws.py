@@ -18,7 +18,6 @@ from tunegen.kernels.families import backward, base, prefill
 from tunegen.kernels.gpu import interpreter_gpu
 from tunegen.kernels.problem import Problem
 from tunegen.kernels.reference import attention_reference
-from tunegen.measure.suites import prefill_suite
 
 WS = prefill.PrefillVariant(
     schedule="ws", block_m=64, block_n=128, num_stages=2, consumers=2, pingpong=True, overlap=True
@@ -186,9 +185,19 @@ def _inputs(batch, hq, hkv, nq, nk, d, dtype, seed):
     )
 
 
+def _reference(q, k, v, causal, scale):
+    """The float64 reference one sequence at a time: a batch's whole score matrix (8 GiB at 16 x 16
+    heads x 2048) ran the GPU tests' workers out of memory beside each other."""
+    parts = [
+        attention_reference(q[b : b + 1], k[b : b + 1], v[b : b + 1], causal=causal, scale=scale)
+        for b in range(len(q))
+    ]
+    return torch.cat([o for o, _ in parts]), torch.cat([lse for _, lse in parts])
+
+
 def _check(variant, q, k, v, causal, scale=0.3, return_lse=True):
     out, lse = run_variant(variant, q, k, v, causal=causal, scale=scale, return_lse=return_lse)
-    ref, ref_lse = attention_reference(q, k, v, causal=causal, scale=scale)
+    ref, ref_lse = _reference(q, k, v, causal, scale)
     assert rel_err(out, ref) < REL_TOL[q.dtype]
     if return_lse:
         assert_lse(lse, ref_lse, q.dtype)
@@ -251,6 +260,7 @@ def test_ws_strided_views_and_persistent_waves():
 
 # Persistent programs, each walking several tiles: a fixed stride or the dynamic scheduler's
 # counter, one query slot or two, with the other knobs their barriers meet.
+SHORT = {"persistent": True, "dynamic": True, "q_stages": 2, "order": "grouped", "l2_share": 8}
 PERSISTENT = [
     dataclasses.replace(WS, persistent=True),
     dataclasses.replace(WS, persistent=True, q_stages=2, overlap=False),
@@ -267,6 +277,19 @@ PERSISTENT = [
     ),
     dataclasses.replace(
         PAIR, block_m=128, num_stages=3, persistent=True, dynamic=True, q_stages=2, order="grouped"
+    ),
+    # The short causal defaults' forms: turns, the 128-row consumer, two consumers apart.
+    dataclasses.replace(WS, overlap=False, mask_branch=True, **SHORT),
+    dataclasses.replace(PAIR, block_m=128, num_stages=3, **SHORT),
+    dataclasses.replace(WS, pingpong=False, overlap=False, mask_branch=True, **SHORT),
+    pytest.param(
+        dataclasses.replace(PAIR, block_m=128, num_stages=3, persistent=True, dynamic=True, q_stages=2),
+        marks=pytest.mark.xfail(
+            reason="issue 31: with two programs per SM and order m_inner, causal queries past the keys "
+            "(tiles that see no key) leave whole tiles unwritten now and then (H100, Triton 3.6); no "
+            "default takes this form under a causal mask",
+            strict=False,
+        ),
     ),
 ]
 
@@ -299,79 +322,3 @@ def test_public_call_serves_the_hopper_default():
         ref, ref_lse = attention_reference(q, k, v, causal=causal, scale=128**-0.5)
         assert rel_err(out, ref) < REL_TOL[q.dtype]
         assert_lse(lse, ref_lse, q.dtype)
-
-
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("kv_heads", [None, 4], ids=["mha", "gqa"])
-def test_every_suite_default_is_a_variant_the_schedule_takes(fp8, kv_heads):
-    """The H100 defaults of every suite row (both masks, N = 512 to 32k) build as Variants that
-    the family checks and constrains, so that no public call meets a default it refuses."""
-    for shape in prefill_suite((512, 1024, 2048, 4096, 8192, 16384, 32768), (64, 128), kv_heads=kv_heads):
-        problem = dataclasses.replace(shape.problem("bfloat16"), fp8=fp8)
-        variant = prefill.FAMILY.default_variant(problem, H100)
-        prefill.FAMILY.check_variant(variant, problem, H100)
-        assert prefill.FAMILY.constraint(variant, problem, H100) is None, (shape, variant)
-
-
-def test_the_defaults_mask_in_a_branch_where_it_measured_faster():
-    """`mask_branch` in the H100 defaults exactly where it measured faster (issue31_h100.md):
-    causal head dim 128 up to 2048 tokens, causal head dim 64 past 1024; never for FP8."""
-    for shape in prefill_suite((512, 1024, 2048, 4096, 8192, 16384), (64, 128)):
-        problem = shape.problem("bfloat16")
-        n, d = shape.seqlen, shape.head_dim
-        wanted = shape.causal and (n <= 2048 if d == 128 else n > 1024)
-        assert prefill.FAMILY.default_variant(problem, H100).mask_branch == wanted, shape
-        fp8 = dataclasses.replace(problem, fp8=True)
-        assert not prefill.FAMILY.default_variant(fp8, H100).mask_branch, shape
-
-
-def test_short_causal_defaults_take_the_lightest_tiles_first():
-    """Causal prompts up to 2048 tokens at head dim 128 and 4096 at 64 take their tiles lightest
-    first (longer ones heaviest first), on the dynamic scheduler, with two consumers taking turns
-    without overlap but at head dim 64 up to 1024 tokens (issue31_h100.md, third session)."""
-    for shape in prefill_suite((512, 1024, 2048, 4096, 8192, 16384), (64, 128), (True,)):
-        variant = prefill.FAMILY.default_variant(shape.problem("bfloat16"), H100)
-        n, d = shape.seqlen, shape.head_dim
-        short = n <= (2048 if d == 128 else 4096)
-        assert variant.dynamic and variant.order == "grouped", shape
-        assert variant.reverse_m == (not short), shape
-        turns = (variant.consumers, variant.pingpong, variant.overlap) == (2, True, False)
-        assert turns == (short and (d == 128 or n > 1024)), shape
-
-
-def test_the_h200_takes_short_causal_tiles_lightest_first_over_fewer_lengths():
-    """The H200's own sweep: lightest first up to 1024 tokens at head dim 128 and 512 at 64,
-    heaviest first past that, in the same forms as the H100's (issue31_h200.md)."""
-    h200 = dataclasses.replace(H100, name="NVIDIA H200")
-    assert (h200.model, H100.model) == ("h200", "h100")
-    for shape in prefill_suite((512, 1024, 2048, 4096, 8192), (64, 128), (True,)):
-        problem = shape.problem("bfloat16")
-        on_h100 = prefill.FAMILY.default_variant(problem, H100)
-        on_h200 = prefill.FAMILY.default_variant(problem, h200)
-        lightest = shape.seqlen <= (1024 if shape.head_dim == 128 else 512)
-        assert on_h200 == on_h100.replace(reverse_m=not lightest), shape
-
-
-def test_short_prompts_without_a_mask_take_turns():
-    """Non-causal prompts up to 1024 tokens (at head dim 64 past 512) run two consumers taking
-    turns without overlap, on the dynamic scheduler, and without `mask_branch`, which has no
-    mask to branch on (issue31_h100.md, fourth session); longer ones keep their forms."""
-    for shape in prefill_suite((512, 768, 1024, 2048, 4096, 16384), (64, 128), (False,)):
-        variant = prefill.FAMILY.default_variant(shape.problem("bfloat16"), H100)
-        n, d = shape.seqlen, shape.head_dim
-        turns = (variant.consumers, variant.pingpong, variant.overlap) == (2, True, False)
-        assert turns == (n <= 1024 and (d == 128 or n > 512)), shape
-        assert variant.dynamic and not variant.mask_branch, shape
-
-
-def test_below_one_wave_of_tiles_the_default_is_fa2():
-    """The Hopper schedule where a Problem fills the GPU with 128-row tiles; FA2's loop, whose
-    launch costs half as much, below that."""
-    suite = Problem("prefill", "bfloat16", 128, False, 16, 16, 32, 512, 512)  # 32*16*4 tiles
-    assert prefill.FAMILY.default_variant(suite, H100).schedule == "ws"
-    tiny = dataclasses.replace(suite, batch=1, num_heads_q=2, num_heads_kv=2, seqlen_q=16, seqlen_k=16)
-    assert prefill.FAMILY.default_variant(tiny, H100).schedule == "fa2"
-    short = dataclasses.replace(suite, batch=1, num_heads_q=32, num_heads_kv=32)
-    assert prefill.FAMILY.default_variant(short, H100).schedule == "fa2"  # 128 tiles, 132 SMs
-    wave = dataclasses.replace(short, batch=2)
-    assert prefill.FAMILY.default_variant(wave, H100).schedule == "ws"

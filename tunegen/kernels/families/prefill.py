@@ -24,6 +24,7 @@ from tunegen.kernels.variant import Variant
 
 LOADS = ("ptr", "desc")
 ORDERS = ("m_inner", "head_inner", "grouped")
+L2_SHARES = (2, 4, 8, 16)
 SCHEDULES = ("fa2", "ws")
 FA2_KNOBS = ("num_warps", "causal_split", "load", "p_fp8", "v_trans")
 
@@ -36,8 +37,9 @@ class PrefillVariant(Variant):
     causal_split: run the key blocks every row sees without masks, apart from the masked ones;
     load: "ptr" (pointer arithmetic) or "desc" (device-side tensor descriptors, TMA on Hopper);
     order: which index varies fastest over the 1-D grid, query blocks ("m_inner"), (batch, head)
-    pairs ("head_inner"), or heads within groups whose K and V fit in half the L2 ("grouped");
-    reverse_m: visit the last query blocks first (with "grouped", heaviest first per group).
+    pairs ("head_inner"), or heads within groups whose K and V fit in a share of the L2
+    ("grouped"); l2_share: with "grouped", that share is 1/l2_share (2, 4, 8 or 16); reverse_m:
+    visit the last query blocks first (with "grouped", heaviest first per group).
     FP8 Problems only: p_fp8: P enters the second product as e4m3 (scaled by 256, both products
     in FP8) rather than bf16 with V widened (one rounding fewer, half-rate second product);
     v_trans: the launcher writes V as (head_dim, seqlen), the K-major layout Hopper's FP8
@@ -82,6 +84,7 @@ class PrefillVariant(Variant):
     dynamic: bool = False
     q_stages: int = 1
     mask_branch: bool = False
+    l2_share: int = 2
 
     @property
     def consumer_regs(self) -> int:
@@ -112,6 +115,10 @@ class PrefillVariant(Variant):
             raise ValueError(f"load: expected one of {LOADS}, got {self.load!r}")
         if self.order not in ORDERS:
             raise ValueError(f"order: expected one of {ORDERS}, got {self.order!r}")
+        if self.l2_share not in L2_SHARES:
+            raise ValueError(f"l2_share: expected one of {L2_SHARES}, got {self.l2_share!r}")
+        if self.order != "grouped" and self.l2_share != 2:
+            raise ValueError(f"l2_share: a knob of order 'grouped'; order {self.order!r} keeps 2")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule: expected one of {SCHEDULES}, got {self.schedule!r}")
         if self.schedule == "ws":
@@ -221,6 +228,7 @@ class PrefillFamily:
         **{k: ("schedule", ("ws",)) for k in WS_KNOBS if k not in ("pingpong", "ctas_per_sm")},
         # consumers is itself a knob of "ws" only; the persistent knobs' condition follows
         "pingpong": ("consumers", (2, 3)),
+        "l2_share": ("order", ("grouped",)),
         # two programs per SM leave registers for one consumer each: asked only then (not
         # asked and refused, which cost a sixth of the tuner's asks)
         "ctas_per_sm": ("consumers", (1,)),
@@ -279,6 +287,7 @@ class PrefillFamily:
             "load": loads,
             "order": list(ORDERS) if problem.causal else ["m_inner"],
             "reverse_m": [False, True] if problem.causal else [False],
+            "l2_share": [2, 8] if problem.causal else [2],
             "p_fp8": [True, False] if problem.fp8 else [True],
             "v_trans": [False, True] if problem.fp8 else [False],
         }

@@ -1,0 +1,105 @@
+"""The Hopper schedule's defaults (families/prefill_ws.py `ws_default`): which forms each suite row
+takes on the H100 and the H200, as issue31_h100.md and issue31_h200.md measured them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from helpers import H100
+from tunegen.kernels.families import prefill
+from tunegen.kernels.problem import Problem
+from tunegen.measure.suites import prefill_suite
+
+TURNS = (2, True, False)  # consumers, pingpong, overlap: two consumers taking turns
+APART = (2, False, False)  # two consumers, neither turns nor overlap
+
+
+def _form(variant):
+    return variant.consumers, variant.pingpong, variant.overlap
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("kv_heads", [None, 4], ids=["mha", "gqa"])
+def test_every_suite_default_is_a_variant_the_schedule_takes(fp8, kv_heads):
+    """The H100 defaults of every suite row (both masks, N = 512 to 32k) build as Variants that
+    the family checks and constrains, so that no public call meets a default it refuses."""
+    for shape in prefill_suite((512, 1024, 2048, 4096, 8192, 16384, 32768), (64, 128), kv_heads=kv_heads):
+        problem = dataclasses.replace(shape.problem("bfloat16"), fp8=fp8)
+        variant = prefill.FAMILY.default_variant(problem, H100)
+        prefill.FAMILY.check_variant(variant, problem, H100)
+        assert prefill.FAMILY.constraint(variant, problem, H100) is None, (shape, variant)
+
+
+def test_the_defaults_mask_in_a_branch_where_it_measured_faster():
+    """`mask_branch` in the H100 defaults exactly where it measured faster (issue31_h100.md):
+    causal head dim 128 up to 2048 tokens, causal head dim 64 past 512, and the two consumers
+    apart at head dim 64 without a mask up to 1024 tokens; never for FP8."""
+    for shape in prefill_suite((512, 1024, 2048, 4096, 8192, 16384), (64, 128)):
+        problem = shape.problem("bfloat16")
+        n, d = shape.seqlen, shape.head_dim
+        causal_branch = n <= 2048 if d == 128 else n > 512
+        wanted = causal_branch if shape.causal else d == 64 and n <= 1024
+        assert prefill.FAMILY.default_variant(problem, H100).mask_branch == wanted, shape
+        fp8 = dataclasses.replace(problem, fp8=True)
+        assert not prefill.FAMILY.default_variant(fp8, H100).mask_branch, shape
+
+
+def test_short_causal_defaults_take_the_lightest_tiles_first():
+    """Causal prompts up to 2048 tokens at head dim 128 and 4096 at 64 take their tiles lightest
+    first over groups of heads whose K and V fill an eighth of the L2 (longer ones heaviest first
+    over groups that fill half), on the dynamic scheduler, without overlap: two consumers taking
+    turns at head dim 128, apart at 64, but one 128-row consumer at head dim 64 and 512 tokens
+    (issue31_h100.md, third and fifth sessions)."""
+    for shape in prefill_suite((512, 1024, 2048, 4096, 8192, 16384), (64, 128), (True,)):
+        variant = prefill.FAMILY.default_variant(shape.problem("bfloat16"), H100)
+        n, d = shape.seqlen, shape.head_dim
+        short = n <= (2048 if d == 128 else 4096)
+        assert variant.dynamic, shape
+        order = (variant.order, variant.reverse_m, variant.l2_share)
+        assert order == ("grouped", not short, 8 if short else 2), shape
+        if short and d == 128:
+            assert _form(variant) == TURNS, shape
+        elif short and n > 512:
+            assert _form(variant) == APART, shape
+        else:
+            assert _form(variant) not in (TURNS, APART), shape
+
+
+def test_the_h200_takes_short_causal_tiles_lightest_first_over_fewer_lengths():
+    """The H200's own sweep: lightest first up to 1024 tokens at head dim 128 and 512 at 64,
+    heaviest first past that, in the same forms as the H100's (issue31_h200.md)."""
+    h200 = dataclasses.replace(H100, name="NVIDIA H200")
+    assert (h200.model, H100.model) == ("h200", "h100")
+    for shape in prefill_suite((512, 1024, 2048, 4096, 8192), (64, 128), (True,)):
+        problem = shape.problem("bfloat16")
+        on_h100 = prefill.FAMILY.default_variant(problem, H100)
+        on_h200 = prefill.FAMILY.default_variant(problem, h200)
+        lightest = shape.seqlen <= (1024 if shape.head_dim == 128 else 512)
+        assert on_h200 == on_h100.replace(reverse_m=not lightest, l2_share=8 if lightest else 2), shape
+
+
+def test_short_prompts_without_a_mask_take_two_consumers_without_overlap():
+    """Non-causal prompts up to 1024 tokens run two consumers without overlap on the dynamic
+    scheduler: taking turns at head dim 128 (no `mask_branch`, no mask to branch on), apart at 64
+    (issue31_h100.md, fourth and fifth sessions); longer ones keep their forms."""
+    for shape in prefill_suite((512, 768, 1024, 2048, 4096, 16384), (64, 128), (False,)):
+        variant = prefill.FAMILY.default_variant(shape.problem("bfloat16"), H100)
+        n, d = shape.seqlen, shape.head_dim
+        assert variant.dynamic, shape
+        assert (_form(variant) == TURNS) == (n <= 1024 and d == 128), shape
+        assert (_form(variant) == APART) == (n <= 1024 and d == 64), shape
+
+
+def test_below_one_wave_of_tiles_the_default_is_fa2():
+    """The Hopper schedule where a Problem fills the GPU with 128-row tiles; FA2's loop, whose
+    launch costs half as much, below that."""
+    suite = Problem("prefill", "bfloat16", 128, False, 16, 16, 32, 512, 512)  # 32*16*4 tiles
+    assert prefill.FAMILY.default_variant(suite, H100).schedule == "ws"
+    tiny = dataclasses.replace(suite, batch=1, num_heads_q=2, num_heads_kv=2, seqlen_q=16, seqlen_k=16)
+    assert prefill.FAMILY.default_variant(tiny, H100).schedule == "fa2"
+    short = dataclasses.replace(suite, batch=1, num_heads_q=32, num_heads_kv=32)
+    assert prefill.FAMILY.default_variant(short, H100).schedule == "fa2"  # 128 tiles, 132 SMs
+    wave = dataclasses.replace(short, batch=2)
+    assert prefill.FAMILY.default_variant(wave, H100).schedule == "ws"
