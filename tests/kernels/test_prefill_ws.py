@@ -286,8 +286,8 @@ PERSISTENT = [
         dataclasses.replace(PAIR, block_m=128, num_stages=3, persistent=True, dynamic=True, q_stages=2),
         marks=pytest.mark.xfail(
             reason="issue 31: with two programs per SM and order m_inner, causal queries past the keys "
-            "(tiles that see no key) leave whole tiles unwritten now and then (H100, Triton 3.6); no "
-            "default takes this form under a causal mask",
+            "(tiles that see no key) leave whole tiles unwritten now and then (H100, Triton 3.6); the "
+            "family's constraint refuses the form under a causal mask",
             strict=False,
         ),
     ),

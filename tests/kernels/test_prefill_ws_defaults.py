@@ -103,3 +103,28 @@ def test_below_one_wave_of_tiles_the_default_is_fa2():
     assert prefill.FAMILY.default_variant(short, H100).schedule == "fa2"  # 128 tiles, 132 SMs
     wave = dataclasses.replace(short, batch=2)
     assert prefill.FAMILY.default_variant(wave, H100).schedule == "ws"
+
+
+def test_two_programs_per_sm_on_the_dynamic_scheduler_keep_to_the_grouped_order_when_causal():
+    """The form that lost whole tiles now and then under a causal mask with order "m_inner"
+    (issue31_h100.md, fifth session) is refused there, in every order but "grouped"; its
+    non-causal and grouped uses, and one program per SM, stay admitted."""
+    pair = prefill.PrefillVariant(
+        schedule="ws",
+        block_m=128,
+        block_n=64,
+        num_stages=3,
+        consumers=1,
+        ctas_per_sm=2,
+        overlap=True,
+        persistent=True,
+        dynamic=True,
+        q_stages=2,
+    )
+    causal = Problem("prefill", "bfloat16", 64, True, 32, 32, 32, 512, 512)
+    for order in ("m_inner", "head_inner"):
+        assert "grouped" in prefill.FAMILY.constraint(pair.replace(order=order), causal, H100)
+    assert prefill.FAMILY.constraint(pair.replace(order="grouped"), causal, H100) is None
+    assert prefill.FAMILY.constraint(pair, dataclasses.replace(causal, causal=False), H100) is None
+    one = pair.replace(block_m=64, ctas_per_sm=1)
+    assert prefill.FAMILY.constraint(one, causal, H100) is None

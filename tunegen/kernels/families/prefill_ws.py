@@ -78,7 +78,12 @@ def ws_constraint(variant: Variant, problem: Problem, gpu: Gpu) -> str | None:
     output tile, and the K/V ring) and each consumer's registers: its tiles (`ws_tile_registers`)
     plus the spare registers the release needs for the rest (`Release.ws_spare_registers`,
     calibrated on sm_90 compiles of each checked release by benchmarks/ws_registers.py: within the
-    bound, ptxas spills at most 48 bytes per thread)."""
+    bound, ptxas spills at most 48 bytes per thread). Under a causal mask, two programs per SM on
+    the dynamic scheduler take order "grouped": with "m_inner" they left whole tiles unwritten now
+    and then, where tiles that see no key mixed with the others (H100, Triton 3.6; issue31_h100.md,
+    fifth session), and no other order but "grouped" has been run enough to trust."""
+    if problem.causal and variant.ctas_per_sm == 2 and variant.dynamic and variant.order != "grouped":
+        return "order: two programs per SM on the dynamic scheduler take 'grouped' under a causal mask"
     d = problem.head_dim
     size = 1 if problem.fp8 else 2  # bytes per element of Q, K and V; the output is 16-bit
     tiles = variant.consumers * variant.block_m * (variant.q_stages * size + 2)
