@@ -7,8 +7,12 @@ import torch
 
 import tunegen
 from helpers import DTYPES, REL_TOL, assert_lse, randn, rel_err, run_variant
+from tunegen.kernels.families import prefill
 from tunegen.kernels.families.prefill import PrefillVariant
+from tunegen.kernels.gpu import interpreter_gpu
+from tunegen.kernels.problem import Problem
 from tunegen.kernels.reference import attention_reference
+from tunegen.kernels.render import load, render
 
 SMALL = PrefillVariant(block_m=32, block_n=16, num_warps=4, num_stages=1)
 
@@ -79,6 +83,26 @@ def test_grouped_order_runs_every_tile_once(device):
         ref, ref_lse = attention_reference(q, k, v, causal=causal, scale=0.2)
         assert rel_err(out, ref) < REL_TOL[torch.float16]
         assert_lse(lse, ref_lse, torch.float16)
+
+
+def test_grouped_order_fills_its_share_of_the_l2_counted_per_kv_head(device):
+    """`l2_share` sizes the groups of "grouped": the query heads of as many KV heads as fit in
+    1/l2_share of the L2 (the interpreter's nominal 64 KB), at least one; each size runs every
+    tile once, as float64 says. 8 query heads over 2 KV heads, each KV head's K and V 10 KB."""
+    gen = torch.Generator().manual_seed(9)
+    q = randn(1, 8, 40, 64, dtype=torch.float16, device=device, gen=gen)
+    k, v = (randn(1, 2, 40, 64, dtype=torch.float16, device=device, gen=gen) for _ in range(2))
+    problem = Problem("prefill", "float16", 64, True, 8, 2, 1, 40, 40)
+    for share, heads in ((2, 12), (8, 4)):  # 3 KV heads' worth (all 8 query heads), then 1 KV head's
+        variant = PrefillVariant(block_m=16, block_n=16, num_stages=1, order="grouped", l2_share=share)
+        features = prefill.FAMILY.features(problem, interpreter_gpu())
+        module = load(render(prefill.FAMILY.template, "prefill", variant, features), interpret=True)
+        assert module._group_heads(torch.device("cpu"), 40, 64, 2) == heads
+        for causal in (False, True):
+            out, lse = run_variant(variant, q, k, v, causal=causal, scale=0.2)
+            ref, ref_lse = attention_reference(q, k, v, causal=causal, scale=0.2)
+            assert rel_err(out, ref) < REL_TOL[torch.float16]
+            assert_lse(lse, ref_lse, torch.float16)
 
 
 def test_strided_views_need_no_copy(device):
