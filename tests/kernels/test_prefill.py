@@ -73,7 +73,7 @@ def test_every_knob_is_correct(device, variant, causal):
 
 
 def test_grouped_order_runs_every_tile_once(device):
-    """Order "grouped" with a last group of fewer heads (7 heads, groups of 3 under the interpreter's
+    """Order "grouped" with groups of unequal sizes (7 heads: 2, 2, then 3, under the interpreter's
     nominal 64 KB cache), heaviest query blocks first: every output row written exactly as float64."""
     gen = torch.Generator().manual_seed(8)
     q, k, v = (randn(1, 7, 40, 64, dtype=torch.float16, device=device, gen=gen) for _ in range(3))
@@ -85,24 +85,48 @@ def test_grouped_order_runs_every_tile_once(device):
         assert_lse(lse, ref_lse, torch.float16)
 
 
+def _module(variant, problem, device):
+    """The rendered module of `variant` for `problem` (its launcher's helpers, whatever the device)."""
+    features = prefill.FAMILY.features(problem, interpreter_gpu())
+    return load(render(prefill.FAMILY.template, "prefill", variant, features), interpret=device.type == "cpu")
+
+
 def test_grouped_order_fills_its_share_of_the_l2_counted_per_kv_head(device):
     """`l2_share` sizes the groups of "grouped": the query heads of as many KV heads as fit in
     1/l2_share of the L2 (the interpreter's nominal 64 KB), at least one; each size runs every
-    tile once, as float64 says. 8 query heads over 2 KV heads, each KV head's K and V 10 KB."""
+    tile once, as float64 says. 8 query heads over 2 KV heads, each KV head's K and V 10 KB: 3 of
+    them would fit half the cache, so one group holds both; an eighth holds one at most."""
     gen = torch.Generator().manual_seed(9)
     q = randn(1, 8, 40, 64, dtype=torch.float16, device=device, gen=gen)
     k, v = (randn(1, 2, 40, 64, dtype=torch.float16, device=device, gen=gen) for _ in range(2))
     problem = Problem("prefill", "float16", 64, True, 8, 2, 1, 40, 40)
-    for share, heads in ((2, 12), (8, 4)):  # 3 KV heads' worth (all 8 query heads), then 1 KV head's
+    for share, groups in ((2, (8, 1)), (8, (4, 2))):  # (query heads per group, groups)
         variant = PrefillVariant(block_m=16, block_n=16, num_stages=1, order="grouped", l2_share=share)
-        features = prefill.FAMILY.features(problem, interpreter_gpu())
-        module = load(render(prefill.FAMILY.template, "prefill", variant, features), interpret=True)
-        assert module._group_heads(torch.device("cpu"), 40, 64, 2) == heads
+        module = _module(variant, problem, device)
+        assert module._groups(torch.device("cpu"), 40, 64, 2, 8) == groups
         for causal in (False, True):
             out, lse = run_variant(variant, q, k, v, causal=causal, scale=0.2)
             ref, ref_lse = attention_reference(q, k, v, causal=causal, scale=0.2)
             assert rel_err(out, ref) < REL_TOL[torch.float16]
             assert_lse(lse, ref_lse, torch.float16)
+
+
+def test_grouped_order_ends_with_the_larger_groups(device):
+    """Groups as even as whole KV heads allow, the larger last, so that no small group's heaviest
+    tiles start after every other tile: 11 KV heads (22 query heads) where 3 fit half the cache
+    make groups of 2, 3, 3 and 3 KV heads. Every tile runs once, as float64 says."""
+    gen = torch.Generator().manual_seed(10)
+    q = randn(1, 22, 40, 64, dtype=torch.float16, device=device, gen=gen)
+    k, v = (randn(1, 11, 40, 64, dtype=torch.float16, device=device, gen=gen) for _ in range(2))
+    problem = Problem("prefill", "float16", 64, True, 22, 11, 1, 40, 40)
+    variant = PrefillVariant(block_m=16, block_n=16, num_stages=1, order="grouped", reverse_m=True)
+    module = _module(variant, problem, device)
+    assert module._groups(torch.device("cpu"), 40, 64, 2, 22) == (4, 4)
+    for causal in (False, True):
+        out, lse = run_variant(variant, q, k, v, causal=causal, scale=0.2)
+        ref, ref_lse = attention_reference(q, k, v, causal=causal, scale=0.2)
+        assert rel_err(out, ref) < REL_TOL[torch.float16]
+        assert_lse(lse, ref_lse, torch.float16)
 
 
 def test_strided_views_need_no_copy(device):

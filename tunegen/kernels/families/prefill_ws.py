@@ -124,12 +124,11 @@ def _ws_measured(problem: Problem, two: Any, gpu: Gpu) -> Any:
     None where it does not run or launches less than one wave of 128-row tiles (its launch encodes
     four TMA descriptors, twice FA2's cost: benchmarks/results/launch_h100.md). For 16-bit inputs,
     persistent programs on the dynamic scheduler, two query slots per consumer (one at causal head
-    dim 64 past 4096 tokens). Causal tiles heaviest first over groups of heads whose K and V fill
-    half the L2, but short prompts' (head dim 128 up to 2048 tokens, 64 up to 4096) lightest first
-    as cuDNN's kernel takes them, over groups that fill an eighth (on the H200 only up to 1024
-    tokens at head dim 128 and 512 at 64: its own sweep, issue31_h200.md); there, `mask_branch` and
-    two consumers without overlap, at head dim 128 taking turns, at 64 apart, as cuDNN's d64
-    kernel runs them (at 512 tokens one 128-row consumer over a third stage of keys instead);
+    dim 64 past 4096 tokens). Causal tiles heaviest first over even groups of heads whose K and V
+    fill half the L2, an eighth at short prompts (head dim 128 up to 2048 tokens, 64 up to 4096; on
+    the H200 up to 1024 and 512: its own sweep, issue31_h200.md); there, `mask_branch` and two
+    consumers without overlap, at head dim 128 taking turns, at 64 apart, as cuDNN's d64 kernel
+    runs them (at 512 tokens one 128-row consumer over a third stage of keys instead);
     `mask_branch` also at causal head dim 64 past 4096. Without a mask, prompts up to 1024 tokens
     take the same forms: turns at head dim 128, apart at 64."""
     if not runs_ws(problem, gpu):
@@ -145,9 +144,9 @@ def _ws_measured(problem: Problem, two: Any, gpu: Gpu) -> Any:
     dynamic = {"persistent": True, "dynamic": True, "q_stages": 2}
     short = n <= (2048 if problem.head_dim == 128 else 4096)
     if problem.causal:
-        lightest = short if gpu.model != "h200" else n <= (1024 if problem.head_dim == 128 else 512)
+        small = short if gpu.model != "h200" else n <= (1024 if problem.head_dim == 128 else 512)
         # The smaller groups: +5% at head dim 128 and 512 tokens (issue31_h100.md, fifth session).
-        dynamic.update(order="grouped", reverse_m=not lightest, l2_share=8 if lightest else 2)
+        dynamic.update(order="grouped", reverse_m=True, l2_share=8 if small else 2)
     # Two consumers taking turns, without overlap inside each (as cuDNN's kernel runs them).
     turns = two.replace(pingpong=True, overlap=False, **dynamic)
     if problem.head_dim == 128:
