@@ -1,6 +1,7 @@
 """The Hopper forward's techniques on and off at the suite's lengths: per (head dim, mask, length),
 the family's default Variant rendered from this tree's templates and, with `--old-templates`, from
-other copies of them (an older commit: `git archive REV templates | tar -x -C old`), beside the
+other copies of them (an older commit: `git archive REV templates | tar -x -C old`; with
+`--old-defaults`, each shape's Variant as that commit chose it), beside the
 default made persistent with the dynamic scheduler (and the other tiles a dynamic scheduler
 might want), each with one and with two query slots per consumer, and cuDNN. `--candidates
 default` keeps the default alone; each `--also` adds the default with some knobs changed.
@@ -90,6 +91,13 @@ def main() -> None:
         help="a folder of templates to render the defaults from too (repeatable; LABEL names its column)",
     )
     ap.add_argument(
+        "--old-defaults",
+        metavar="JSON_FILE",
+        help="the Variants the old templates' copies render, per shape, where the old tree's defaults "
+        'differed ([{"shape": Shape fields, "variant": Variant fields}], from that tree\'s '
+        "default_variant); shapes not listed render this tree's default",
+    )
+    ap.add_argument(
         "--candidates",
         default="all",
         choices=["all", "default"],
@@ -116,6 +124,7 @@ def main() -> None:
     seqlens, dims = [int(n) for n in args.seqlens.split(",")], [int(d) for d in args.head_dims.split(",")]
     shapes = prefill_suite(seqlens, dims, causal, kv_heads=args.kv_heads)
     gpu = cuda_gpu(0)
+    old_defaults = _old_defaults(args.old_defaults)
     named = {shape: candidates(shape.problem("bfloat16"), gpu) for shape in shapes}
     if args.candidates == "default":
         named = {shape: {"default": variants["default"]} for shape, variants in named.items()}
@@ -155,7 +164,7 @@ def main() -> None:
             if note is None:
                 kernels[name] = (rec, base.build(prefill.FAMILY, variant, problem, gpu))
         for label, folder in map(_labelled, args.old_templates):
-            default = named[shape]["default"]
+            default = old_defaults.get(shape, named[shape]["default"])
             with _templates(pathlib.Path(folder)):
                 old = base.build(prefill.FAMILY, default, problem, gpu)
             rec = _record(shape, label, default, None)
@@ -175,6 +184,14 @@ def main() -> None:
             pathlib.Path(args.output).write_text(json.dumps({**provenance, "results": results}, indent=1))
         del q, k, v, out, timed, kernels
         torch.cuda.empty_cache()
+
+
+def _old_defaults(path: str | None) -> dict[Shape, prefill.PrefillVariant]:
+    """--old-defaults' file as {shape: Variant}."""
+    if path is None:
+        return {}
+    entries = json.loads(pathlib.Path(path).read_text())
+    return {Shape(**e["shape"]): prefill.PrefillVariant.from_json(e["variant"]) for e in entries}
 
 
 def _labelled(value: str) -> tuple[str, str]:
