@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+
+import jinja2
 import pytest
 import torch
 
@@ -12,7 +15,7 @@ from tunegen.kernels.families.prefill import PrefillVariant
 from tunegen.kernels.gpu import interpreter_gpu
 from tunegen.kernels.problem import Problem
 from tunegen.kernels.reference import attention_reference
-from tunegen.kernels.render import load, render
+from tunegen.kernels.render import load, render, template_dir
 
 SMALL = PrefillVariant(block_m=32, block_n=16, num_warps=4, num_stages=1)
 
@@ -72,17 +75,22 @@ def test_every_knob_is_correct(device, variant, causal):
     assert_lse(lse, ref_lse, dtype)
 
 
+def _matches_float64_both_masks(variant, q, k, v):
+    """`variant`'s fp16 output and log-sum-exp against float64, without a mask and causal."""
+    for causal in (False, True):
+        out, lse = run_variant(variant, q, k, v, causal=causal, scale=0.2)
+        ref, ref_lse = attention_reference(q, k, v, causal=causal, scale=0.2)
+        assert rel_err(out, ref) < REL_TOL[torch.float16]
+        assert_lse(lse, ref_lse, torch.float16)
+
+
 def test_grouped_order_runs_every_tile_once(device):
     """Order "grouped" with groups of unequal sizes (7 heads: 2, 2, then 3, under the interpreter's
     nominal 64 KB cache), heaviest query blocks first: every output row written exactly as float64."""
     gen = torch.Generator().manual_seed(8)
     q, k, v = (randn(1, 7, 40, 64, dtype=torch.float16, device=device, gen=gen) for _ in range(3))
     variant = PrefillVariant(block_m=16, block_n=16, num_stages=1, order="grouped", reverse_m=True)
-    for causal in (False, True):
-        out, lse = run_variant(variant, q, k, v, causal=causal, scale=0.2)
-        ref, ref_lse = attention_reference(q, k, v, causal=causal, scale=0.2)
-        assert rel_err(out, ref) < REL_TOL[torch.float16]
-        assert_lse(lse, ref_lse, torch.float16)
+    _matches_float64_both_masks(variant, q, k, v)
 
 
 def _module(variant, problem, device):
@@ -104,11 +112,29 @@ def test_grouped_order_fills_its_share_of_the_l2_counted_per_kv_head(device):
         variant = PrefillVariant(block_m=16, block_n=16, num_stages=1, order="grouped", l2_share=share)
         module = _module(variant, problem, device)
         assert module._groups(torch.device("cpu"), 40, 64, 2, 8) == groups
-        for causal in (False, True):
-            out, lse = run_variant(variant, q, k, v, causal=causal, scale=0.2)
-            ref, ref_lse = attention_reference(q, k, v, causal=causal, scale=0.2)
-            assert rel_err(out, ref) < REL_TOL[torch.float16]
-            assert_lse(lse, ref_lse, torch.float16)
+        _matches_float64_both_masks(variant, q, k, v)
+
+
+def test_grouped_order_puts_the_larger_groups_last_heaviest_first():
+    """The tile order the kernels render, evaluated on the host: 22 (batch, head) pairs in groups of
+    4 pairs and then 6 (GROUP 2: one KV head more), 3 query blocks each. Every tile once; each
+    group's tiles together, the groups in that order; within a group the last query block first."""
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(template_dir())), undefined=jinja2.StrictUndefined
+    )
+    code = env.from_string(
+        '{% import "_attention.j2" as m %}{{ m.tile_order("grouped", True, "t", "torch") }}'
+    )
+    scope = {"torch": torch, "t": torch.arange(66), "n_bh": 22, "n_m_blocks": 3, "GROUP": 2}
+    scope.update(group_heads=4, n_groups=4)
+    exec(code.render(), scope)
+    pairs = list(zip(scope["pid_bh"].tolist(), scope["pid_m"].tolist(), strict=True))
+    assert sorted(pairs) == [(bh, m) for bh in range(22) for m in range(3)]
+    bounds = [0, 4, 10, 16, 22]
+    for first, end in itertools.pairwise(bounds):
+        run = pairs[first * 3 : end * 3]
+        assert {bh for bh, _ in run} == set(range(first, end))
+        assert [m for _, m in run] == sorted((m for _, m in run), reverse=True)
 
 
 def test_grouped_order_ends_with_the_larger_groups(device):
@@ -122,11 +148,7 @@ def test_grouped_order_ends_with_the_larger_groups(device):
     variant = PrefillVariant(block_m=16, block_n=16, num_stages=1, order="grouped", reverse_m=True)
     module = _module(variant, problem, device)
     assert module._groups(torch.device("cpu"), 40, 64, 2, 22) == (4, 4)
-    for causal in (False, True):
-        out, lse = run_variant(variant, q, k, v, causal=causal, scale=0.2)
-        ref, ref_lse = attention_reference(q, k, v, causal=causal, scale=0.2)
-        assert rel_err(out, ref) < REL_TOL[torch.float16]
-        assert_lse(lse, ref_lse, torch.float16)
+    _matches_float64_both_masks(variant, q, k, v)
 
 
 def test_strided_views_need_no_copy(device):
