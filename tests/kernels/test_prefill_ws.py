@@ -278,8 +278,12 @@ PERSISTENT = [
     dataclasses.replace(
         PAIR, block_m=128, num_stages=3, persistent=True, dynamic=True, q_stages=2, order="grouped"
     ),
-    # The short causal defaults' forms: turns, the 128-row consumer, two consumers apart.
+    # The causal defaults' forms: turns, the 128-row consumer, two consumers apart (with overlap
+    # past 2048 tokens at head dim 128).
     dataclasses.replace(WS, overlap=False, mask_branch=True, **SHORT),
+    dataclasses.replace(
+        WS, pingpong=False, persistent=True, dynamic=True, q_stages=2, order="grouped", reverse_m=True
+    ),
     dataclasses.replace(PAIR, block_m=128, num_stages=3, **SHORT),
     dataclasses.replace(WS, pingpong=False, overlap=False, mask_branch=True, **SHORT),
     pytest.param(
