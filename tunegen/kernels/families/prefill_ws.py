@@ -154,7 +154,7 @@ def _ws_measured(problem: Problem, two: Any, gpu: Gpu) -> Any:
         if not problem.causal:
             return turns if n <= 1024 else two.replace(**dynamic)
         form = turns.replace(mask_branch=True) if short else two.replace(pingpong=True, **dynamic)
-        # Causal: the two consumers apart, not in turns (+0.5% to +2.7% on the H100 from 1k to 16k,
+        # Causal: the two consumers apart, not in turns (+0.0% to +2.7% on the H100 from 1k to 16k,
         # on the H200 up to 4096; past that it keeps turns, -0.9% to +1.9% apart).
         return form if gpu.model == "h200" and n > 4096 else form.replace(pingpong=False)
     three = two.replace(consumers=3, pingpong=True, overlap=False, **dynamic)
