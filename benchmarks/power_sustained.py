@@ -6,7 +6,7 @@ A benchmark's figure depends on where in this curve it times: a short burst runs
 clock, a long one where the power limit holds it (benchmarks/results/issue31_power_s6_h100.txt).
 
     python3 power_sustained.py [--head-dim 128 --heads 16 --seqlen 16384 --seconds 4 --idle 3]
-                               [--also '{"lazy_rescale": true}']
+                               [--also '{"pingpong": true}']
 
 `--also` adds tunegen's default with those knobs changed, launched directly, as another call.
 """

@@ -153,10 +153,11 @@ def _ws_measured(problem: Problem, two: Any, gpu: Gpu) -> Any:
     if problem.head_dim == 128:
         if not problem.causal:
             return turns if n <= 1024 else two.replace(**dynamic)
-        form = turns.replace(mask_branch=True) if short else two.replace(pingpong=True, **dynamic)
         # Causal: the two consumers apart, not in turns (+0.0% to +2.7% on the H100 from 1k to 16k,
         # on the H200 up to 4096; past that it keeps turns, -0.9% to +1.9% apart).
-        return form if gpu.model == "h200" and n > 4096 else form.replace(pingpong=False)
+        if short:
+            return turns.replace(pingpong=False, mask_branch=True)
+        return two.replace(pingpong=gpu.model == "h200" and n > 4096, **dynamic)
     three = two.replace(consumers=3, pingpong=True, overlap=False, **dynamic)
     # Two consumers apart, neither turns nor overlap, as cuDNN's d64 kernel runs its warpgroups.
     apart = two.replace(overlap=False, mask_branch=True, **dynamic)
