@@ -82,11 +82,14 @@ def test_hopper_schedule_knobs_show_on_its_variants_only():
     ws = prefill.PrefillVariant(schedule="ws", block_m=64, block_n=128, consumers=2, overlap=True)
     shown = applicable(prefill.FAMILY, ws, BF16, HOPPER)
     persistent_only = set(prefill.PERSISTENT_KNOBS)
-    assert set(shown) >= WS_KNOBS - {"ctas_per_sm", *persistent_only}
+    assert set(shown) >= WS_KNOBS - {"ctas_per_sm", "stream_k", *persistent_only}
     assert not set(prefill.FA2_KNOBS) & set(shown)
     assert "ctas_per_sm" not in shown, "two programs per SM only with one consumer each"
     assert not persistent_only & set(shown), "the dynamic scheduler and query slots serve persistent programs"
     assert persistent_only <= set(applicable(prefill.FAMILY, ws.replace(persistent=True), BF16, HOPPER))
+    assert "stream_k" not in applicable(prefill.FAMILY, ws.replace(persistent=True), BF16, HOPPER)
+    dynamic = ws.replace(persistent=True, dynamic=True)
+    assert "stream_k" in applicable(prefill.FAMILY, dynamic, BF16, HOPPER), "the dynamic scheduler's tail"
     one = applicable(prefill.FAMILY, ws.replace(consumers=1), BF16, HOPPER)
     assert "pingpong" not in one and "ctas_per_sm" in one, "pingpong needs 2 consumers"
     assert "schedule" not in applicable(prefill.FAMILY, fa2, BF16, interpreter_gpu()), "no 'ws' there"

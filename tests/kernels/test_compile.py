@@ -235,6 +235,8 @@ def test_ws_variants_compile_for_sm90_with_wgmma_and_without_spilling():
         ("e4m3", 128, True, 16, True, dataclasses.replace(ws, order="grouped", **dynamic)),
         ("bfloat16", 128, True, 4, False, dataclasses.replace(ws, q_stages=2, **branch, **dynamic)),
         ("bfloat16", 64, True, 16, True, dataclasses.replace(ws, consumers=3, overlap=False, **branch)),
+        ("bfloat16", 64, False, 16, True, dataclasses.replace(ws, pingpong=False, stream_k=True, **dynamic)),
+        ("float16", 128, False, 4, False, dataclasses.replace(ws, q_stages=2, stream_k=True, **dynamic)),
     ]
     admitted, jobs = [], []
     for case in cases:

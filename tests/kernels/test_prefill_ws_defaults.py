@@ -94,6 +94,15 @@ def test_short_prompts_without_a_mask_take_two_consumers_without_overlap():
         assert (_form(variant) == APART) == (n <= 1024 and d == 64), shape
 
 
+def test_no_default_cuts_the_tail():
+    """`stream_k` is the tuner's to pick: as a default it measured no better than the spread between
+    runs at head dim 64 and slower at 128 (issue31_h100.md and issue31_h200.md, eighth session)."""
+    h200 = dataclasses.replace(H100, name="NVIDIA H200")
+    for shape in prefill_suite((512, 1024, 2048, 4096, 16384), (64, 128), (False, True), kv_heads=8):
+        for gpu in (H100, h200):
+            assert not prefill.FAMILY.default_variant(shape.problem("bfloat16"), gpu).stream_k, shape
+
+
 def test_below_one_wave_of_tiles_the_default_is_fa2():
     """The Hopper schedule where a Problem fills the GPU with 128-row tiles; FA2's loop, whose
     launch costs half as much, below that."""

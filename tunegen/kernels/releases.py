@@ -85,6 +85,13 @@ class Release:
         return 48 if self.version >= (3, 9) else 32
 
     @property
+    def ws_merge_tile(self) -> bool:
+        """Whether the Hopper forward's stream-K merge (`stream_k`) costs a second output tile of
+        registers: 3.9 spills 184 bytes at head dim 128 beside the loop's tiles, where 3.6 and 3.7
+        spill 8 to 40 (taken for 3.8 too, unmeasured)."""
+        return self.version >= (3, 8)
+
+    @property
     def ws_fp8_head_dims(self) -> tuple[int, ...]:
         """Head dims at which the Hopper schedule takes FP8 inputs: 3.8 and 3.9 spill 100 to 350
         bytes of its e4m3 tiles at head dim 64 whatever registers are left, and at 128 too where

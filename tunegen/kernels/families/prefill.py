@@ -53,13 +53,15 @@ class PrefillVariant(Variant):
     registers); persistent, one program per SM walking the tiles; dynamic, persistent programs take
     each next tile from a counter in global memory (in the program order, so that with a causal
     mask and reverse_m the longest tiles go first and the short ones fill in), not every
-    num_programs-th; q_stages, query slots per consumer of a persistent program (2: the next
-    tile's query rows load while this tile's products run); producer_regs, the TMA producer's
-    registers per thread (the consumers share the rest); ctas_per_sm, programs sharing an SM (2:
-    one consumer each, registers capped at launch); mask_branch, one key-block loop masking in a
-    branch, not a second, masked copy (the kernel a fifth shorter); order and reverse_m. num_warps is
-    4. Knobs that do not apply to a schedule keep their defaults, so that two different Variants
-    are always two different kernels.
+    num_programs-th; stream_k, on the dynamic scheduler without a causal mask, the tiles past the
+    last whole wave cut by key blocks into one even range per program, each tile's partial
+    results merged by whichever of its ranges finishes last; q_stages, query slots per consumer
+    of a persistent program (2: the next tile's query rows load while this tile's products run);
+    producer_regs, the TMA producer's registers per thread (the consumers share the rest);
+    ctas_per_sm, programs sharing an SM (2: one consumer each, registers capped at launch);
+    mask_branch, one key-block loop masking in a branch, not a second, masked copy (the kernel a
+    fifth shorter); order and reverse_m. num_warps is 4. Knobs that do not apply to a schedule
+    keep their defaults, so that two different Variants are always two different kernels.
     """
 
     family: ClassVar[str] = "prefill"
@@ -85,6 +87,7 @@ class PrefillVariant(Variant):
     q_stages: int = 1
     mask_branch: bool = False
     l2_share: int = 2
+    stream_k: bool = False
 
     @property
     def consumer_regs(self) -> int:
@@ -150,6 +153,10 @@ class PrefillVariant(Variant):
             raise ValueError("ctas_per_sm: two programs per SM leave registers for one consumer each")
         if self.dynamic and not self.persistent:
             raise ValueError("dynamic: a scheduler of persistent programs, so it needs persistent=True")
+        if self.stream_k and not self.dynamic:
+            raise ValueError(
+                "stream_k: ranges of the tail handed out by the dynamic scheduler, so it needs dynamic=True"
+            )
         if self.q_stages not in (1, 2):
             raise ValueError(f"q_stages: expected 1 or 2 query slots per consumer, got {self.q_stages}")
         if self.q_stages == 2 and not self.persistent:
@@ -233,6 +240,7 @@ class PrefillFamily:
         # asked and refused, which cost a sixth of the tuner's asks)
         "ctas_per_sm": ("consumers", (1,)),
         **{k: ("persistent", (True,)) for k in PERSISTENT_KNOBS},
+        "stream_k": ("dynamic", (True,)),
     }
 
     def features(self, problem: Problem, gpu: Gpu) -> dict[str, Any]:
@@ -256,6 +264,11 @@ class PrefillFamily:
             raise ValueError(f"variant: expected a PrefillVariant, got {type(variant).__name__}")
         if variant.schedule == "ws":
             check_ws(problem, gpu)
+        if variant.stream_k and (problem.causal or problem.fp8):
+            raise ValueError(
+                "variant.stream_k: cuts the last wave of 16-bit tiles without a causal mask (causal tiles "
+                "differ in length, and the dynamic scheduler takes the longest first)"
+            )
         if problem.fp8:
             _check_fp8(variant, problem, gpu)
         elif not variant.p_fp8 or variant.v_trans:
@@ -302,6 +315,7 @@ class PrefillFamily:
                 dynamic=[False, True],
                 q_stages=[1, 2],
                 mask_branch=[False] if problem.fp8 else [False, True],
+                stream_k=[False] if problem.causal or problem.fp8 else [False, True],
             )
         return space
 

@@ -22,6 +22,7 @@ WS_KNOBS = (
     "producer_regs",
     "ctas_per_sm",
     "mask_branch",
+    "stream_k",
     *PERSISTENT_KNOBS,
 )
 REGISTER_FILE = 65536  # 32-bit registers per SM on every GPU tunegen targets
@@ -78,10 +79,12 @@ def ws_constraint(variant: Variant, problem: Problem, gpu: Gpu) -> str | None:
     output tile, and the K/V ring) and each consumer's registers: its tiles (`ws_tile_registers`)
     plus the spare registers the release needs for the rest (`Release.ws_spare_registers`,
     calibrated on sm_90 compiles of each checked release by benchmarks/ws_registers.py: within the
-    bound, ptxas spills at most 48 bytes per thread). Under a causal mask, two programs per SM on
-    the dynamic scheduler take order "grouped": with "m_inner" they left whole tiles unwritten now
-    and then, where tiles that see no key mixed with the others (H100, Triton 3.6; issue31_h100.md,
-    fifth session), and no other order but "grouped" has been run enough to trust."""
+    bound, ptxas spills at most 48 bytes per thread), and where the release needs it a second
+    output tile for the stream-K merge (`Release.ws_merge_tile`). Under a causal mask, two
+    programs per SM on the dynamic scheduler take order "grouped": with "m_inner" they left whole
+    tiles unwritten now and then, where tiles that see no key mixed with the others (H100, Triton
+    3.6; issue31_h100.md, fifth session), and no other order but "grouped" has been run enough to
+    trust."""
     if problem.causal and variant.ctas_per_sm == 2 and variant.dynamic and variant.order != "grouped":
         return "order: two programs per SM on the dynamic scheduler take 'grouped' under a causal mask"
     d = problem.head_dim
@@ -96,7 +99,10 @@ def ws_constraint(variant: Variant, problem: Problem, gpu: Gpu) -> str | None:
             f"shared memory: needs about {smem} bytes, {gpu.name} has {limit} per block "
             f"for {variant.ctas_per_sm} per SM"
         )
-    registers = ws_tile_registers(variant, d) + releases.of(gpu.triton_version).ws_spare_registers
+    release = releases.of(gpu.triton_version)
+    registers = ws_tile_registers(variant, d) + release.ws_spare_registers
+    if variant.stream_k and release.ws_merge_tile:
+        registers += variant.block_m * d // 128
     if registers > variant.consumer_regs:
         return (
             f"registers: about {registers} per consumer thread, {variant.consumer_regs} left by "
@@ -162,6 +168,8 @@ def _ws_measured(problem: Problem, two: Any, gpu: Gpu) -> Any:
     # Two consumers apart, neither turns nor overlap, as cuDNN's d64 kernel runs its warpgroups.
     apart = two.replace(overlap=False, mask_branch=True, **dynamic)
     if not problem.causal:
+        # `stream_k` stays off: -1.7% to +3.5% at head dim 64 (no better than the spread between
+        # runs), -4% to -13% at 128 (issue31_h100.md and issue31_h200.md, eighth session).
         return apart if n <= 1024 else three
     if n <= 512:
         return pair.replace(block_m=128, num_stages=3, **dynamic)
