@@ -168,7 +168,7 @@ def _ws_measured(problem: Problem, two: Any, gpu: Gpu) -> Any:
     # Two consumers apart, neither turns nor overlap, as cuDNN's d64 kernel runs its warpgroups.
     apart = two.replace(overlap=False, mask_branch=True, **dynamic)
     if not problem.causal:
-        # `stream_k` stays off: -1.7% to +3.5% at head dim 64 (no better than the spread between
+        # `stream_k` stays off: -2.4% to +3.3% at head dim 64 (no better than the spread between
         # runs), -4% to -13% at 128 (issue31_h100.md and issue31_h200.md, eighth session).
         return apart if n <= 1024 else three
     if n <= 512:
