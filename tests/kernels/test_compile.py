@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import itertools
 import multiprocessing
 import os
 import re
@@ -208,6 +209,40 @@ def test_fp8_variants_compile_for_hopper_with_e4m3_tensor_cores():
     for variant, report in zip(variants, reports, strict=False):
         assert any(m.startswith("wgmma") and m.endswith(".e4m3.e4m3") for m in report.mma), report.mma
         assert any(m.endswith(".bf16.bf16") for m in report.mma) == (not variant.p_fp8), report.mma
+
+
+def test_the_features_of_current_models_compile_without_spilling():
+    """FA2's prefill loop with a window, chunks, the cap and sinks (gpt-oss's, Gemma 2's and Llama
+    4's forms, and all four at once, dense and packed) compiles for sm_90 and sm_80 as the
+    defaults do."""
+    features = [
+        {"window_left": 127, "sinks": True},
+        {"window_left": 4095, "softcap": True},
+        {"attention_chunk": 8192},
+        {"window_left": 63, "window_right": 31, "attention_chunk": 256, "softcap": True, "sinks": True},
+    ]
+    jobs = []
+    for gpu in TARGETS.values():
+        for changes, varlen in itertools.product(features, (False, True)):
+            causal = "window_right" not in changes
+            problem = Problem(
+                "prefill",
+                "bfloat16",
+                64,
+                causal,
+                64,
+                8,
+                2,
+                4096,
+                4096,
+                varlen=varlen,
+                return_lse=True,
+                **changes,
+            )
+            jobs.append(_job(gpu, problem))
+    for job, report in zip(jobs, compile_many(jobs, workers=2), strict=True):
+        assert report.error is None, (job.rendered.source.splitlines()[3], report.error)
+        assert report.local_bytes is not None and report.local_bytes <= SPILL_BOUND, report.local_bytes
 
 
 def test_ws_variants_compile_for_sm90_with_wgmma_and_without_spilling():

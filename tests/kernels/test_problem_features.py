@@ -81,10 +81,22 @@ def test_problem_text_names_the_features():
     assert "window" not in problem_text(PLAIN.as_dict())
 
 
-@pytest.mark.parametrize("family", ["prefill", "decode", "backward"])
+@pytest.mark.parametrize("family", ["decode", "backward"])
 def test_no_family_builds_a_kernel_that_would_ignore_them(family):
     problem = dataclasses.replace(GPT_OSS, family=family, seqlen_q=1 if family == "decode" else 4096)
     fam = get(family)
     variant = fam.default_variant(dataclasses.replace(problem, window_left=-1, sinks=False), H100)
     with pytest.raises(ValueError, match=rf"the {family} kernels do not render \['sinks', 'window_left'\]"):
         base.build(fam, variant, problem, H100)
+
+
+def test_prefill_renders_them_on_flashattention_2s_loop_only():
+    """The prefill family renders every feature (`Family.model_features`) on its FA2 loop; the Hopper
+    schedule refuses them by name, so that the plain Problem's Variant is never built for them."""
+    fam = get("prefill")
+    assert fam.model_features == set(MODEL_FEATURES)
+    ws = fam.default_variant(dataclasses.replace(GPT_OSS, window_left=-1, sinks=False), H100)
+    assert ws.schedule == "ws"
+    with pytest.raises(ValueError, match=r"'ws' renders no \['sinks', 'window_left'\] in this release"):
+        base.build(fam, ws, GPT_OSS, H100)
+    assert fam.default_variant(GPT_OSS, H100).schedule == "fa2"

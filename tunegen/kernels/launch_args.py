@@ -18,7 +18,9 @@ class PrefillArgs:
     """The prefill family's launch: q, k, v (batch, heads, seqlen, head_dim), or packed (total_tokens,
     heads, head_dim) with the varlen fields; out like q (bfloat16 for float8 e4m3 inputs); lse the
     log-sum-exp in float32, (batch, heads, seqlen_q) or packed (heads, total_q), or None; scale the
-    softmax's. FP8 Problems take e4m3 q, k, v with float32 descales (tunegen.kernels.fp8's layout)."""
+    softmax's. FP8 Problems take e4m3 q, k, v with float32 descales (tunegen.kernels.fp8's layout).
+    Problems with `softcap` take the cap (> 0), with `sinks` one float32 logit per query head
+    (contiguous, (heads,))."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -32,6 +34,8 @@ class PrefillArgs:
     q_descale: torch.Tensor | None = None
     k_descale: torch.Tensor | None = None
     v_descale: torch.Tensor | None = None
+    softcap: float = 0.0
+    sinks: torch.Tensor | None = None
 
 
 @dataclasses.dataclass(slots=True)

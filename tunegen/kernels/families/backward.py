@@ -200,6 +200,7 @@ def loops_default(problem: Problem, gpu: Gpu) -> BackwardVariant:
 
 class BackwardFamily:
     name = "backward"
+    model_features: ClassVar[frozenset[str]] = frozenset()
     template = "attention_bwd.py.j2"
     variant_type = BackwardVariant
     conditions: ClassVar[dict[str, tuple[str, tuple]]] = {

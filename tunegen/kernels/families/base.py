@@ -72,6 +72,8 @@ class Family(Protocol):
     # Knobs that matter only for some values of another knob: knob -> (that knob, those values).
     # Elsewhere the knob keeps its default and the tuner does not search it.
     conditions: ClassVar[dict[str, tuple[str, tuple]]]
+    # The features of current models (`Problem.model_features`' names) its templates render.
+    model_features: ClassVar[frozenset[str]]
 
     def features(self, problem: Problem, gpu: Gpu) -> dict[str, Any]:
         """The Problem's features the template renders away, for this Gpu."""
@@ -159,12 +161,13 @@ def grid(family: Family, space: dict[str, list]) -> Iterator[Variant]:
 
 def build(family: Family, variant: Variant, problem: Problem, gpu: Gpu) -> Kernel:
     """Check, render and import one Variant of `family` for `problem` on `gpu`; refuses a Problem
-    with features of current models (`Problem.model_features`) that no template renders yet,
-    rather than build a kernel that would ignore them."""
-    if problem.model_features:
+    with features of current models (`Problem.model_features`) that the family's templates do not
+    render (`Family.model_features`), rather than build a kernel that would ignore them."""
+    unrendered = sorted(set(problem.model_features) - family.model_features)
+    if unrendered:
         raise ValueError(
-            f"problem: the {family.name} kernels do not render {sorted(problem.model_features)} in this "
-            "release; call without them"
+            f"problem: the {family.name} kernels do not render {unrendered} in this release; "
+            "call without them"
         )
     family.check_variant(variant, problem, gpu)
     rendered = render(family.template, family.name, variant, family.features(problem, gpu))

@@ -51,6 +51,7 @@ def key_tile(page_size: int, usual: int) -> int:
 
 class DecodeFamily:
     name = "decode"
+    model_features: ClassVar[frozenset[str]] = frozenset()
     template = "attention_decode.py.j2"
     variant_type = DecodeVariant
     conditions: ClassVar[dict[str, tuple[str, tuple]]] = {}

@@ -19,7 +19,7 @@ from tunegen.kernels.families.prefill_ws import (
 )
 from tunegen.kernels.fp8 import SCALE_BLOCK
 from tunegen.kernels.gpu import Gpu
-from tunegen.kernels.problem import Problem
+from tunegen.kernels.problem import MODEL_FEATURES, Problem
 from tunegen.kernels.variant import Variant
 
 LOADS = ("ptr", "desc")
@@ -174,6 +174,8 @@ def _check_fp8(variant: PrefillVariant, problem: Problem, gpu: Gpu) -> None:
     only what a GPU can), tiles in one scale block, no mask_branch, a GPU with e4m3 tensor cores."""
     if problem.varlen:
         raise ValueError("problem.varlen: fp8 prefill takes (batch, heads, seqlen, head_dim) inputs")
+    if problem.model_features:
+        raise ValueError(f"problem: fp8 prefill renders no {sorted(problem.model_features)} in this release")
     if problem.dtype != "bfloat16":
         raise ValueError(f"problem.dtype: fp8 prefill writes bfloat16, got {problem.dtype}")
     if variant.block_n < 32:
@@ -220,7 +222,9 @@ def fa2_default(problem: Problem, gpu: Gpu) -> PrefillVariant:
             return wide.replace(load=load, order="head_inner", reverse_m=True)
         return wide.replace(load=load)
     if d <= 64:
-        return PrefillVariant(block_m=128, block_n=64, num_warps=4, num_stages=3)
+        # The features' extra loops spill 24-104 bytes a thread with 4 warps (sm_80, Triton 3.9).
+        warps = 8 if problem.model_features else 4
+        return PrefillVariant(block_m=128, block_n=64, num_warps=warps, num_stages=3)
     if d <= 128:
         return PrefillVariant(block_m=128, block_n=64, num_warps=8, num_stages=2)
     return PrefillVariant(block_m=64, block_n=32, num_warps=4, num_stages=2)
@@ -228,6 +232,8 @@ def fa2_default(problem: Problem, gpu: Gpu) -> PrefillVariant:
 
 class PrefillFamily:
     name = "prefill"
+    # FlashAttention-2's loop renders all of them for 16-bit and float32 inputs (`_check_local`).
+    model_features: ClassVar[frozenset[str]] = frozenset(MODEL_FEATURES)
     template = "attention_fwd.py.j2"
     variant_type = PrefillVariant
     conditions: ClassVar[dict[str, tuple[str, tuple]]] = {
@@ -257,6 +263,11 @@ class PrefillFamily:
             "fp8": problem.fp8,
             "emulate_fp8": interpreted and problem.fp8,
             "scale_block": SCALE_BLOCK if problem.fp8 else 0,
+            "window_left": problem.window_left,
+            "window_right": problem.window_right,
+            "attention_chunk": problem.attention_chunk,
+            "softcap": problem.softcap,
+            "sinks": problem.sinks,
         }
 
     def check_variant(self, variant: Variant, problem: Problem, gpu: Gpu) -> None:

@@ -1,7 +1,10 @@
 """The prefill family's tuning case: inputs, launch, float64 check, SDPA peers.
 
 An fp8 Problem's inputs are quantized with per-block scales; the kernel is checked against
-float64 on the dequantized inputs, and the peers run bf16 on those same values."""
+float64 on the dequantized inputs, and the peers run bf16 on those same values. A Problem with the
+features of current models runs them as its model would (Gemma 2's cap of 50, a random sink
+logit per head), checked against float64 with the same window, chunk, cap and sinks; SDPA,
+which takes none of them, times nothing beside it."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from tunegen.kernels.problem import TORCH_DTYPES, Problem
 from tunegen.kernels.reference import attention_reference, sampled_error
 
 FULL_REFERENCE_LIMIT = 2**22  # score elements: above this, check sampled rows
+SOFTCAP = 50.0  # the cap a softcap Problem is tuned with (Gemma 2's on attention scores)
 
 
 def prefill_case(problem: Problem, kernel: Kernel | None, device: torch.device, seed: int) -> Case:
@@ -26,6 +30,14 @@ def prefill_case(problem: Problem, kernel: Kernel | None, device: torch.device, 
         for h, n in ((problem.num_heads_q, nq), (problem.num_heads_kv, nk), (problem.num_heads_kv, nk))
     )
     scale = d**-0.5
+    sinks = normal((problem.num_heads_q,), gen, device) if problem.sinks else None
+    softcap = SOFTCAP if problem.softcap else 0.0
+    local = {
+        "window_size": (problem.window_left, problem.window_right),
+        "attention_chunk": problem.attention_chunk,
+        "softcap": softcap,
+        "sinks": sinks,
+    }
     inputs = (q, k, v)
     if problem.fp8 and device.type == "meta":  # shapes only, laid out as the quantize kernel writes them
         inputs = quantize.outputs(q, k, per_block=True)
@@ -37,9 +49,11 @@ def prefill_case(problem: Problem, kernel: Kernel | None, device: torch.device, 
         if torch.isnan(out).any():
             return float("nan")
         if b * problem.num_heads_q * nq * nk <= FULL_REFERENCE_LIMIT:
-            ref, _ = attention_reference(q, k, v, causal=problem.causal, scale=scale)
+            ref, _ = attention_reference(q, k, v, causal=problem.causal, scale=scale, **local)
             return float((out.double() - ref).norm() / ref.norm())
-        return sampled_error(out, q, k, v, causal=problem.causal, scale=scale, rows=128, generator=rows)
+        return sampled_error(
+            out, q, k, v, causal=problem.causal, scale=scale, rows=128, generator=rows, **local
+        )
 
     out = torch.full(q.shape, float("nan"), device=device, dtype=dtype)
     launch = lse = None
@@ -49,14 +63,23 @@ def prefill_case(problem: Problem, kernel: Kernel | None, device: torch.device, 
         cu_k = torch.arange(0, (b + 1) * nk, nk, dtype=torch.int32, device=device)
         if problem.return_lse:
             lse = torch.full((problem.num_heads_q, b * nq), float("nan"), device=device)
-        args = PrefillArgs(*packed, lse, scale, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=nq)
+        args = PrefillArgs(
+            *packed,
+            lse,
+            scale,
+            cu_seqlens_q=cu_q,
+            cu_seqlens_k=cu_k,
+            max_seqlen_q=nq,
+            softcap=softcap,
+            sinks=sinks,
+        )
         launch = lambda: kernel.launch(args)
         out = packed[3].view(b, nq, problem.num_heads_q, d).transpose(1, 2)
     elif kernel is not None:
         if problem.return_lse:
             lse = torch.full((b, problem.num_heads_q, nq), float("nan"), device=device)
         descales = dict(zip(("q_descale", "k_descale", "v_descale"), inputs[3:], strict=False))
-        args = PrefillArgs(*inputs[:3], out, lse, scale, **descales)
+        args = PrefillArgs(*inputs[:3], out, lse, scale, **descales, softcap=softcap, sinks=sinks)
         launch = lambda: kernel.launch(args)
 
     def error() -> float:
@@ -65,7 +88,7 @@ def prefill_case(problem: Problem, kernel: Kernel | None, device: torch.device, 
         return error_of(out)
 
     peers = {}
-    if device.type == "cuda" and not problem.varlen:
+    if device.type == "cuda" and not problem.varlen and not problem.model_features:
         from tunegen.kernels import peers as peer_impls
 
         # FP8's V is K-major (see fp8.py); SDPA's fused kernels take only unit-stride rows.

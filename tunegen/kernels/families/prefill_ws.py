@@ -53,6 +53,11 @@ def check_ws(problem: Problem, gpu: Gpu, fallback: str = "fa2") -> None:
         )
     if problem.varlen:
         raise ValueError(f"variant.schedule: 'ws' runs dense batches; varlen takes {fallback!r}")
+    if problem.model_features:
+        raise ValueError(
+            f"variant.schedule: 'ws' renders no {sorted(problem.model_features)} in this release "
+            f"({fallback!r} runs them)"
+        )
     if not problem.aligned:
         raise ValueError("variant.schedule: 'ws' loads by TMA, which needs 16-byte aligned bases and strides")
 
