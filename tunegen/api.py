@@ -11,6 +11,7 @@ import torch
 from tunegen import eager, flash_provider, fp8_attention, ops
 from tunegen.backends import capturing, wants_grad
 from tunegen.backward import AttentionFunction
+from tunegen.calls.local import local_arguments, refuse_grad
 from tunegen.calls.prefill import PrefillCall
 from tunegen.kernels import dispatch, launcher
 from tunegen.kernels.families import get
@@ -132,6 +133,10 @@ def attention(
     q_descale: torch.Tensor | None = None,
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    attention_chunk: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention over (batch, heads, seqlen, head_dim) tensors.
 
@@ -152,9 +157,22 @@ def attention(
     inputs' dtype. float8_e4m3fn q, k, v run as given, with FlashAttention-3's float32
     `q_descale`, `k_descale`, `v_descale` (batch, kv_heads), None meaning 1 (q and k may also
     take one per 128 rows, see `tunegen.quantize_fp8`), and return bfloat16.
+
+    The attention of current models, in FlashAttention's conventions (16-bit and float32, not
+    differentiable in this release): `window_size=(left, right)`, each row at position p (aligned
+    bottom-right) sees keys p - left to p + right, -1 unbounded (Mistral, Gemma 2 and 3, gpt-oss);
+    `attention_chunk`, each row sees only the keys of its own chunk of that many (Llama 4);
+    `softcap`, scores become softcap·tanh(score / softcap) (Gemma 2); `sinks`, one logit per query
+    head (num_heads,) joins each row's softmax and sends nothing to the output (gpt-oss). Rows that
+    see no key give zeros (and a log-sum-exp of -inf, or of the sink).
     """
+    local = local_arguments(window_size, attention_chunk, softcap, sinks)
     descales = (q_descale, k_descale, v_descale)
     if fp8_attention.requested(q, precision, hadamard, descales):
+        if local:
+            raise ValueError(
+                f"{local[0]}: FP8 attention takes none of window_size, attention_chunk, softcap, sinks"
+            )
         call = fp8_attention.fp8_call(
             q,
             k,
@@ -170,7 +188,9 @@ def attention(
         return call.returned(*eager.run(call), return_lse)
     grad = wants_grad(q, k, v)
     key = None
-    if not grad and not torch.compiler.is_compiling():
+    if local:
+        refuse_grad(local, grad)
+    elif not grad and not torch.compiler.is_compiling():
         # The launch key (see eager.run); here rather than in a function, which costs a call.
         try:
             key = (launcher.key_of(q, k, v), bool(causal), bool(return_lse))
@@ -181,7 +201,18 @@ def attention(
             return fast(q, k, v, scale)
     keep_lse = bool(return_lse) or grad
     call = PrefillCall.dense(
-        q, k, v, causal=causal, scale=scale, return_lse=keep_lse, strict=strict, deterministic=deterministic
+        q,
+        k,
+        v,
+        causal=causal,
+        scale=scale,
+        return_lse=keep_lse,
+        strict=strict,
+        deterministic=deterministic,
+        window_size=window_size,
+        attention_chunk=attention_chunk,
+        softcap=softcap,
+        sinks=sinks,
     )
     return _serve(call, bool(return_lse), grad, key)
 
@@ -200,6 +231,10 @@ def attention_varlen(
     return_lse: bool = False,
     strict: bool | None = None,
     deterministic: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    attention_chunk: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention over packed (total_tokens, heads, head_dim) sequences, as `flash_attn_varlen_func`.
 
@@ -208,8 +243,12 @@ def attention_varlen(
     checked (a device-to-host copy on GPU), except while a CUDA graph is being captured. With
     `return_lse`, also returns the log-sum-exp (heads, total_q) in float32. Under torch.compile
     the call is the custom op `torch.ops.tunegen.attention_varlen`. Differentiable, as `attention`.
+    `window_size`, `attention_chunk`, `softcap` and `sinks` as `attention`'s, per sequence.
     """
     grad = wants_grad(q, k, v)
+    local = local_arguments(window_size, attention_chunk, softcap, sinks)
+    if local:
+        refuse_grad(local, grad)
     compiling = torch.compiler.is_compiling()
     sizes = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     call = PrefillCall.packed(
@@ -223,6 +262,10 @@ def attention_varlen(
         strict=strict,
         read_lengths=not (compiling or capturing(q)),
         deterministic=deterministic,
+        window_size=window_size,
+        attention_chunk=attention_chunk,
+        softcap=softcap,
+        sinks=sinks,
     )
     return _serve(call, bool(return_lse), grad, None)
 

@@ -24,10 +24,18 @@ def attention_op(
     scale: float,
     return_lse: bool,
     deterministic: bool = False,
+    window_left: int = -1,
+    window_right: int = -1,
+    attention_chunk: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """attention(); the log-sum-exp is a 0-element tensor unless asked for (`deterministic` is
     the backward's)."""
-    out, lse = eager.run(PrefillCall.dense(q, k, v, causal=causal, scale=scale, return_lse=return_lse))
+    local = _local(window_left, window_right, attention_chunk, softcap, sinks)
+    out, lse = eager.run(
+        PrefillCall.dense(q, k, v, causal=causal, scale=scale, return_lse=return_lse, **local)
+    )
     return out, lse if lse is not None else q.new_empty(0, dtype=torch.float32)
 
 
@@ -50,6 +58,11 @@ def attention_varlen_op(
     scale: float,
     return_lse: bool,
     deterministic: bool = False,
+    window_left: int = -1,
+    window_right: int = -1,
+    attention_chunk: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """attention_varlen(); the log-sum-exp is a 0-element tensor unless asked for."""
     sizes = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
@@ -62,6 +75,7 @@ def attention_varlen_op(
         scale=scale,
         return_lse=return_lse,
         read_lengths=not capturing(q),
+        **_local(window_left, window_right, attention_chunk, softcap, sinks),
     )
     out, lse = eager.run(call)
     return out, lse if lse is not None else q.new_empty(0, dtype=torch.float32)
@@ -128,10 +142,18 @@ def _(dout, q, k, v, *_):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+def _local(window_left: int, window_right: int, attention_chunk: int, softcap: float, sinks) -> dict:
+    """An op's feature arguments as the public call's."""
+    window = (window_left, window_right)
+    return {"window_size": window, "attention_chunk": attention_chunk, "softcap": softcap, "sinks": sinks}
+
+
 def through_op(call: PrefillCall) -> tuple[torch.Tensor, torch.Tensor]:
     """`call` (checked, as traced) through its custom op: the output and log-sum-exp (a 0-element
     tensor unless `call.return_lse`)."""
-    flags = (call.causal, call.scale, call.return_lse, call.deterministic)
+    x = call.local
+    local = (x.window_left, x.window_right, x.attention_chunk, x.softcap, x.sinks)
+    flags = (call.causal, call.scale, call.return_lse, call.deterministic, *local)
     if call.varlen is None:
         return torch.ops.tunegen.attention(call.q, call.k, call.v, *flags)
     x = call.varlen
@@ -148,33 +170,35 @@ def through_op(call: PrefillCall) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _keep_for_backward(ctx, inputs, output) -> None:
-    """Save q, k, v (and the varlen offsets), the output and the log-sum-exp; the rest as is."""
+    """Save q, k, v (and the varlen offsets), the output and the log-sum-exp; the rest as is, and
+    how many inputs follow q, k, v (none of which gets a gradient)."""
     q, k, v, *rest = inputs
     out, lse = output
     tensors = [t for t in rest if isinstance(t, torch.Tensor)]
     ctx.save_for_backward(q, k, v, out, lse, *tensors)
     ctx.rest = [a for a in rest if not isinstance(a, torch.Tensor)]
+    ctx.inputs_past_qkv = len(rest)
 
 
 def _attention_grads(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    causal, scale, _, deterministic = ctx.rest
+    q, k, v, out, lse, *_ = ctx.saved_tensors
+    causal, scale, _, deterministic, *_ = ctx.rest
     if lse.numel() == 0:  # called without the log-sum-exp (return_lse=False): compute it again
         out, lse = attention_op(q, k, v, causal, scale, True)
         dlse = None
     grads = attention_backward_op(dout, q, k, v, out, lse, dlse, causal, scale, deterministic)
-    return (*grads, None, None, None, None)
+    return (*grads, *(None,) * ctx.inputs_past_qkv)
 
 
 def _attention_varlen_grads(ctx, dout, dlse):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-    max_seqlen_q, max_seqlen_k, causal, scale, _, deterministic = ctx.rest
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *_ = ctx.saved_tensors
+    max_seqlen_q, max_seqlen_k, causal, scale, _, deterministic, *_ = ctx.rest
     sizes = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if lse.numel() == 0:  # called without the log-sum-exp (return_lse=False): compute it again
         out, lse = attention_varlen_op(q, k, v, *sizes, causal, scale, True)
         dlse = None
     grads = attention_varlen_backward_op(dout, q, k, v, out, lse, dlse, *sizes, causal, scale, deterministic)
-    return (*grads, *(None,) * 8)
+    return (*grads, *(None,) * ctx.inputs_past_qkv)
 
 
 attention_op.register_autograd(_attention_grads, setup_context=_keep_for_backward)

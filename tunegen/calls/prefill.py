@@ -15,6 +15,7 @@ import torch
 
 from tunegen import checks
 from tunegen.backends import backend_for, fallback_dtype
+from tunegen.calls.local import NONE, Local, check_local
 from tunegen.kernels import fp8
 from tunegen.kernels.launch_args import PrefillArgs
 from tunegen.kernels.problem import DTYPE_NAMES, Problem
@@ -41,7 +42,8 @@ class PrefillCall:
     for FP8. `scale` is resolved; `return_lse` says whether the kernel writes the log-sum-exp (the
     caller asked for it, or autograd keeps it for the backward); `out_dtype` is what the caller
     gets back (FP8 kernels write bfloat16); `deterministic` asks for a backward whose gradients
-    are the same bits on every run (as torch.use_deterministic_algorithms does for every call).
+    are the same bits on every run (as torch.use_deterministic_algorithms does for every call);
+    `local`, the attention of current models it asks for (window, chunks, cap, sinks).
     """
 
     q: torch.Tensor
@@ -55,6 +57,7 @@ class PrefillCall:
     descales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     out_dtype: torch.dtype | None = None
     deterministic: bool = False
+    local: Local = NONE
 
     @classmethod
     def dense(
@@ -68,13 +71,17 @@ class PrefillCall:
         return_lse: object = False,
         strict: bool | None = None,
         deterministic: object = False,
+        window_size: object = (-1, -1),
+        attention_chunk: object = 0,
+        softcap: object = 0.0,
+        sinks: object = None,
     ) -> PrefillCall:
         """`tunegen.attention`'s 16-bit or float32 call, checked."""
         checks.check_attention(q, k, v)
         resolved = checks.check_scale(scale, q.shape[-1])
-        return cls(
-            q, k, v, bool(causal), resolved, bool(return_lse), strict, deterministic=bool(deterministic)
-        )
+        local = check_local(q, window_size, attention_chunk, softcap, sinks)
+        flag = bool(deterministic)
+        return cls(q, k, v, bool(causal), resolved, bool(return_lse), strict, deterministic=flag, local=local)
 
     @classmethod
     def packed(
@@ -93,15 +100,29 @@ class PrefillCall:
         strict: bool | None = None,
         read_lengths: bool = False,
         deterministic: object = False,
+        window_size: object = (-1, -1),
+        attention_chunk: object = 0,
+        softcap: object = 0.0,
+        sinks: object = None,
     ) -> PrefillCall:
         """`tunegen.attention_varlen`'s call, checked; with `read_lengths`, the offsets too (read
         back to the host: see checks.check_attention_varlen)."""
         sizes = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         checks.check_attention_varlen(q, k, v, *sizes, read_lengths=read_lengths)
         resolved = checks.check_scale(scale, q.shape[-1])
+        local = check_local(q, window_size, attention_chunk, softcap, sinks)
         flag = bool(deterministic)
         return cls(
-            q, k, v, bool(causal), resolved, bool(return_lse), strict, Varlen(*sizes), deterministic=flag
+            q,
+            k,
+            v,
+            bool(causal),
+            resolved,
+            bool(return_lse),
+            strict,
+            Varlen(*sizes),
+            deterministic=flag,
+            local=local,
         )
 
     @property
@@ -137,25 +158,31 @@ class PrefillCall:
         q, k, v = self.q, self.k, self.v
         if self.descales is not None and fp8.is_k_major(v):
             v = v.transpose(2, 3)
+        varlen = self.varlen is not None
+        mask = {"causal": self.causal}
+        if self.local.any:
+            mask = self.local.key(self.causal, self.seqlen_q, self.seqlen_k, varlen)
         return Problem.of(
             family="prefill",
             dtype=DTYPE_NAMES[out.dtype],
             head_dim=q.shape[-1],
-            causal=self.causal,
             num_heads_q=q.shape[1],
             num_heads_kv=k.shape[1],
             batch=self.batch,
             seqlen_q=self.seqlen_q,
             seqlen_k=self.seqlen_k,
-            varlen=self.varlen is not None,
+            varlen=varlen,
             fp8=self.descales is not None,
             return_lse=self.return_lse,
             aligned=checks.is_aligned16(q, k, v, out),
+            **mask,
         )
 
     def args(self, out: torch.Tensor, lse: torch.Tensor | None) -> PrefillArgs:
         """The kernel's launch arguments, writing `out` and `lse`."""
-        args = PrefillArgs(self.q, self.k, self.v, out, lse, self.scale)
+        args = PrefillArgs(
+            self.q, self.k, self.v, out, lse, self.scale, softcap=self.local.softcap, sinks=self.local.sinks
+        )
         if self.varlen is not None:
             args.cu_seqlens_q, args.cu_seqlens_k = self.varlen.cu_seqlens_q, self.varlen.cu_seqlens_k
             args.max_seqlen_q = self.varlen.max_seqlen_q
@@ -174,13 +201,14 @@ class PrefillCall:
             q, k, v = (
                 fp8.dequantize(t, s, compute_dtype) for t, s in zip((q, k, v), self.descales, strict=True)
             )
+        local = self.local.reference_args()
         if self.varlen is None:
             return attention_reference(
-                q, k, v, causal=self.causal, scale=self.scale, compute_dtype=compute_dtype
+                q, k, v, causal=self.causal, scale=self.scale, compute_dtype=compute_dtype, **local
             )
         cu_q, cu_k = self.varlen.cu_seqlens_q, self.varlen.cu_seqlens_k
         return attention_varlen_reference(
-            q, k, v, cu_q, cu_k, causal=self.causal, scale=self.scale, compute_dtype=compute_dtype
+            q, k, v, cu_q, cu_k, causal=self.causal, scale=self.scale, compute_dtype=compute_dtype, **local
         )
 
     def fallback(self) -> tuple[torch.Tensor, torch.Tensor]:

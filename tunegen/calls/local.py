@@ -1,0 +1,127 @@
+"""The attention of current models in a prefill call: FlashAttention's `window_size` and
+`attention_chunk`, the logit cap `softcap` and gpt-oss's `sinks`, checked once, and the canonical
+form the Problem key stores (tunegen.kernels.masks.normalize_local)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from tunegen.kernels import masks
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Local:
+    """A call's window (`window_left` keys before each row's position and `window_right` after,
+    -1 unbounded), chunks of `attention_chunk` keys (0: none), the cap (`softcap`: scores become
+    softcap·tanh(s / softcap); 0: none) and one float32 logit per query head (`sinks`)."""
+
+    window_left: int = -1
+    window_right: int = -1
+    attention_chunk: int = 0
+    softcap: float = 0.0
+    sinks: torch.Tensor | None = None
+
+    @property
+    def any(self) -> bool:
+        """Whether the call asks for any of them."""
+        window = self.window_left != -1 or self.window_right != -1 or self.attention_chunk != 0
+        return window or self.softcap != 0 or self.sinks is not None
+
+    def reference_args(self) -> dict[str, object]:
+        """The features as `attention_reference` takes them."""
+        window = (self.window_left, self.window_right)
+        return {
+            "window_size": window,
+            "attention_chunk": self.attention_chunk,
+            "softcap": self.softcap,
+            "sinks": self.sinks,
+        }
+
+    def key(self, causal: bool, seqlen_q: int, seqlen_k: int, varlen: bool) -> dict[str, object]:
+        """The Problem's fields for a call of these lengths (with `varlen`, the bounds on them):
+        the canonical mask (`normalize_local`; `causal` included, which a right side of 0 sets),
+        and whether the cap and sinks are on. A packed batch keeps a chunk wider than its keys
+        unless causal: a sequence with more queries than keys may hold rows the chunk blinds."""
+        causal, left, right, chunk = masks.normalize_local(
+            causal, self.window_left, self.window_right, self.attention_chunk, seqlen_q, seqlen_k
+        )
+        if varlen and not causal and self.attention_chunk > 0 and chunk == 0:
+            chunk = self.attention_chunk
+        return {
+            "causal": causal,
+            "window_left": left,
+            "window_right": right,
+            "attention_chunk": chunk,
+            "softcap": self.softcap > 0,
+            "sinks": self.sinks is not None,
+        }
+
+
+NONE = Local()
+
+
+def check_local(
+    q: torch.Tensor, window_size: object, attention_chunk: object, softcap: object, sinks: object
+) -> Local:
+    """The call's features, checked against q (heads in dim 1 for dense calls, packed q's dim 1
+    too); each bad value gets a ValueError that names it. `sinks` is taken as a float32 copy."""
+    if (
+        not isinstance(window_size, tuple | list)
+        or len(window_size) != 2
+        or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)
+    ):
+        raise ValueError(
+            f"window_size: expected a pair of ints (left, right), -1 unbounded, got {window_size!r}"
+        )
+    if not isinstance(attention_chunk, int) or isinstance(attention_chunk, bool):
+        raise ValueError(f"attention_chunk: expected an int >= 0 (0: no chunks), got {attention_chunk!r}")
+    masks.normalize_local(False, window_size[0], window_size[1], attention_chunk, 1, 1)  # the ranges
+    if (
+        not isinstance(softcap, int | float)
+        or isinstance(softcap, bool)
+        or not math.isfinite(softcap)
+        or softcap < 0
+    ):
+        raise ValueError(f"softcap: expected a finite float >= 0 (0: no cap), got {softcap!r}")
+    heads = q.shape[1]
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():
+            raise ValueError(f"sinks: expected a floating-point tensor of shape ({heads},), got {sinks!r}")
+        if tuple(sinks.shape) != (heads,):
+            raise ValueError(
+                f"sinks: expected shape ({heads},), one logit per query head, got {tuple(sinks.shape)}"
+            )
+        if sinks.device != q.device:
+            raise ValueError(f"sinks: expected device {q.device} like q, got {sinks.device}")
+        if sinks.requires_grad and torch.is_grad_enabled():
+            raise ValueError("sinks: the backward renders no sinks in this release; pass them detached")
+        sinks = sinks.detach().to(torch.float32).contiguous()
+    return Local(window_size[0], window_size[1], attention_chunk, float(softcap), sinks)
+
+
+def local_arguments(
+    window_size: object, attention_chunk: object, softcap: object, sinks: object
+) -> list[str]:
+    """The names of the features a public call passed off their defaults, before any check (a
+    value of the wrong type counts as passed: `check_local` names it)."""
+    default_window = isinstance(window_size, tuple | list) and list(window_size) == [-1, -1]
+    passed = {
+        "window_size": not default_window,
+        "attention_chunk": attention_chunk != 0,
+        "softcap": softcap != 0,
+        "sinks": sinks is not None,
+    }
+    return [name for name, on in passed.items() if on]
+
+
+def refuse_grad(passed: list[str], grad: bool) -> None:
+    """Raise ValueError naming the first feature passed where autograd records: the backward does
+    not render them in this release."""
+    if grad:
+        raise ValueError(
+            f"{passed[0]}: the backward renders no window_size, attention_chunk, softcap or sinks in this "
+            "release; call under torch.no_grad() or on tensors that do not require grad"
+        )
