@@ -4,10 +4,14 @@
     tunegen.huggingface.register()
     model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="tunegen")
 
-transformers builds no mask when the pattern is purely causal (SDPA's mask rules, registered for
-"tunegen" too), and tunegen's causal mask is bottom-right aligned, so prefill and cached decode
-steps both run mask-free. A real mask (padded batches) is refused: pack such batches and call
-`tunegen.attention_varlen`, or use another implementation for them.
+transformers builds no mask unless a batch is padded (FlashAttention's mask rules, registered for
+"tunegen" too: causal, sliding-window and softcapped layers all run mask-free), and tunegen's
+masks are bottom-right aligned, so prefill and cached decode steps both run without one. Sliding
+windows (Mistral, Gemma 2 and 3, gpt-oss: `sliding_window` keys back, as transformers' flash
+path reads it), Gemma 2's logit cap (`softcap`) and gpt-oss's sinks (`s_aux`) run in tunegen's
+kernels, for inference (not under autograd in this release). A real mask (padded batches) is
+refused: pack such batches and call `tunegen.attention_varlen`, or use another implementation
+for them. So are Llama 4's chunked layers, whose chunks transformers passes only as a mask.
 """
 
 from __future__ import annotations
@@ -37,23 +41,47 @@ def attention_forward(
         raise ValueError(
             f"dropout: tunegen's attention applies no dropout, got {dropout}; evaluate with model.eval()"
         )
-    for name in ("softcap", "sliding_window", "position_bias", "s_aux"):
-        if kwargs.get(name) is not None:
-            raise ValueError(f"{name}: not supported by tunegen's attention")
+    if kwargs.get("position_bias") is not None:
+        raise ValueError("position_bias: not supported by tunegen's attention")
+    if _layer_type(module) == "chunked_attention":
+        raise ValueError(
+            "attention_chunk: transformers passes chunked layers' chunks (Llama 4) only as a mask, which "
+            "tunegen's integration does not read; call tunegen.attention(attention_chunk=...) directly"
+        )
     if attention_mask is not None:
         raise ValueError(
             "attention_mask: tunegen runs causal or full attention without a mask; this batch needs one "
             "(padding?). Pack it and use tunegen.attention_varlen, or another attn_implementation"
         )
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    out = tunegen.attention(query, key, value, causal=bool(causal), scale=scaling)
+    window = kwargs.get("sliding_window")
+    out = tunegen.attention(
+        query,
+        key,
+        value,
+        causal=bool(causal),
+        scale=scaling,
+        window_size=(-1, -1) if window is None else (window - 1, window - 1),
+        softcap=kwargs.get("softcap") or 0.0,
+        sinks=kwargs.get("s_aux"),
+    )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _layer_type(module: torch.nn.Module) -> str | None:
+    """The layer's kind in its model's config (`layer_types`: "full_attention", "sliding_attention",
+    "chunked_attention"), or None where the config names none."""
+    types = getattr(getattr(module, "config", None), "layer_types", None)
+    index = getattr(module, "layer_idx", None)
+    if types is None or index is None or index >= len(types):
+        return None
+    return types[index]
 
 
 def register(name: str = NAME) -> None:
     """Make `attn_implementation=name` run tunegen in every transformers model."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
     AttentionInterface.register(name, attention_forward)
-    AttentionMaskInterface.register(name, sdpa_mask)
+    AttentionMaskInterface.register(name, flash_attention_mask)
