@@ -33,24 +33,27 @@ def _mistral():
     return transformers.MistralForCausalLM(config)
 
 
+def _gemma(config_type, model_type, layers, **extra):
+    """A tiny Gemma: 16-dim heads, windows of 8 keys on its sliding layers."""
+    config = config_type(
+        **COMMON, num_hidden_layers=layers, head_dim=16, sliding_window=8, query_pre_attn_scalar=16, **extra
+    )
+    return model_type(config)
+
+
 def _gemma2():
-    config = transformers.Gemma2Config(
-        **COMMON,
-        num_hidden_layers=2,
-        head_dim=16,
-        sliding_window=8,
-        query_pre_attn_scalar=16,
-        attn_logit_softcapping=0.5,  # small enough to bend the scores of a random model
+    # a cap small enough to bend the scores of a random model
+    return _gemma(
+        transformers.Gemma2Config,
+        transformers.Gemma2ForCausalLM,
+        2,
+        attn_logit_softcapping=0.5,
         final_logit_softcapping=30.0,
     )
-    return transformers.Gemma2ForCausalLM(config)
 
 
 def _gemma3():
-    config = transformers.Gemma3TextConfig(
-        **COMMON, num_hidden_layers=6, head_dim=16, sliding_window=8, query_pre_attn_scalar=16
-    )
-    return transformers.Gemma3ForCausalLM(config)
+    return _gemma(transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, 6)
 
 
 def _gpt_oss():
