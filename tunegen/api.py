@@ -60,13 +60,19 @@ def explain(
         return flash_provider.routing()
     target, a = _bound(q, k, v, args, kwargs)
     common = {"causal": a["causal"], "scale": a["scale"], "strict": a["strict"]}
+    local = {n: a[n] for n in ("window_size", "attention_chunk", "softcap", "sinks")}
+    passed = local_arguments(**local)
     keep_lse = bool(a["return_lse"]) or wants_grad(q, k, v)
     if target is attention_varlen:
         sizes = [a[n] for n in ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")]
-        call = PrefillCall.packed(q, k, v, *sizes, return_lse=keep_lse, **common)
+        call = PrefillCall.packed(q, k, v, *sizes, return_lse=keep_lse, **common, **local)
     elif fp8_attention.requested(
         q, a["precision"], a["hadamard"], [a[n] for n in fp8_attention.DESCALE_NAMES]
     ):
+        if passed:
+            raise ValueError(
+                f"{passed[0]}: FP8 attention takes none of window_size, attention_chunk, softcap, sinks"
+            )
         call = fp8_attention.fp8_call(
             q,
             k,
@@ -79,7 +85,7 @@ def explain(
             **common,
         )
     else:
-        call = PrefillCall.dense(q, k, v, return_lse=keep_lse, **common)
+        call = PrefillCall.dense(q, k, v, return_lse=keep_lse, **common, **local)
     problem = call.problem(call.outputs()[0])
     backend = call.backend()
     if backend == "torch":
@@ -188,9 +194,7 @@ def attention(
         return call.returned(*eager.run(call), return_lse)
     grad = wants_grad(q, k, v)
     key = None
-    if local:
-        refuse_grad(local, grad)
-    elif not grad and not torch.compiler.is_compiling():
+    if not local and not grad and not torch.compiler.is_compiling():
         # The launch key (see eager.run); here rather than in a function, which costs a call.
         try:
             key = (launcher.key_of(q, k, v), bool(causal), bool(return_lse))
@@ -214,6 +218,7 @@ def attention(
         softcap=softcap,
         sinks=sinks,
     )
+    refuse_grad(local, grad and call.local.any)
     return _serve(call, bool(return_lse), grad, key)
 
 
@@ -247,8 +252,6 @@ def attention_varlen(
     """
     grad = wants_grad(q, k, v)
     local = local_arguments(window_size, attention_chunk, softcap, sinks)
-    if local:
-        refuse_grad(local, grad)
     compiling = torch.compiler.is_compiling()
     sizes = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     call = PrefillCall.packed(
@@ -267,6 +270,7 @@ def attention_varlen(
         softcap=softcap,
         sinks=sinks,
     )
+    refuse_grad(local, grad and call.local.any)
     return _serve(call, bool(return_lse), grad, None)
 
 

@@ -21,14 +21,12 @@ import torch
 from tunegen.api import attention_varlen
 from tunegen.decode import decode_attention
 from tunegen.flash_attn.flash_attn_interface import (
-    bound_of,
     cache_lengths,
     capacity,
     dense,
-    length,
     operand,
 )
-from tunegen.unserved import flash_lse, require, served_causal
+from tunegen.unserved import flash_lse, require, served_causal, served_local
 
 __all__ = [
     "flash_attn_func",
@@ -75,11 +73,11 @@ def flash_attn_func(
     """Attention over (batch, seqlen, heads, head_dim) q and k, v (fewer heads for GQA/MQA): the
     output like q (bfloat16 for float8 inputs), and with `return_attn_probs` the log-sum-exp
     (batch, heads, seqlen_q) float32. Differentiable in 16-bit q, k, v."""
-    require(qv=qv is None, attention_chunk=not attention_chunk)
+    require(qv=qv is None)
     _hints(num_splits, pack_gqa, sm_margin)
-    causal = served_causal(causal, window_size, length(k, 1), softcap)
+    local = served_local(causal, window_size, softcap, attention_chunk=attention_chunk)
     fp8 = _fp8(q, (q_descale, k_descale, v_descale))
-    return dense(q, k, v, causal, softmax_scale, return_attn_probs, deterministic, **fp8)
+    return dense(q, k, v, local, softmax_scale, return_attn_probs, deterministic, **fp8)
 
 
 def flash_attn_qkvpacked_func(
@@ -151,11 +149,9 @@ def flash_attn_varlen_func(
         q_descale=q_descale is None,
         k_descale=k_descale is None,
         v_descale=v_descale is None,
-        attention_chunk=not attention_chunk,
     )
     _hints(num_splits, pack_gqa, sm_margin)
-    bound = bound_of(max_seqlen_k)
-    causal = served_causal(causal, window_size, bound, softcap)
+    local = served_local(causal, window_size, softcap, attention_chunk=attention_chunk)
     result = attention_varlen(
         q,
         k,
@@ -164,10 +160,10 @@ def flash_attn_varlen_func(
         cu_seqlens_k,
         max_seqlen_q,
         max_seqlen_k,
-        causal=causal,
         scale=softmax_scale,
         return_lse=bool(return_attn_probs),
         deterministic=bool(deterministic),
+        **local,
     )
     if not return_attn_probs:
         return result

@@ -4,9 +4,11 @@
     tunegen.huggingface.register()
     model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="tunegen")
 
-transformers builds no mask unless a batch is padded (FlashAttention's mask rules, registered for
-"tunegen" too: causal, sliding-window and softcapped layers all run mask-free), and tunegen's
-masks are bottom-right aligned, so prefill and cached decode steps both run without one. Sliding
+transformers builds no mask where a layer's pattern is causal or a causal sliding window and the
+batch is not padded (FlashAttention's mask rules, registered for "tunegen"; any other pattern,
+packed sequences, prefix or image-token masks and their like, gets SDPA's real mask, which the
+attention refuses), and tunegen's masks are bottom-right aligned, so prefill and cached decode
+steps both run without one. Sliding
 windows (Mistral, Gemma 2 and 3, gpt-oss: `sliding_window` keys back, as transformers' flash
 path reads it), Gemma 2's logit cap (`softcap`) and gpt-oss's sinks (`s_aux`) run in tunegen's
 kernels, for inference (not under autograd in this release). A real mask (padded batches) is
@@ -54,7 +56,7 @@ def attention_forward(
             "(padding?). Pack it and use tunegen.attention_varlen, or another attn_implementation"
         )
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    window = kwargs.get("sliding_window")
+    window = _window(module, kwargs.get("sliding_window"))
     out = tunegen.attention(
         query,
         key,
@@ -66,6 +68,42 @@ def attention_forward(
         sinks=kwargs.get("s_aux"),
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _window(module: torch.nn.Module, passed: int | None) -> int | None:
+    """The layer's sliding window: as transformers passes it, else as the layer or its config
+    holds it for a sliding layer; a config that names a window but no layer kinds, or a layer
+    kind other than full or sliding attention, is refused rather than guessed."""
+    if passed is not None:
+        return passed
+    kind = _layer_type(module)
+    config = getattr(module, "config", None)
+    if kind not in (None, "full_attention", "sliding_attention"):
+        raise ValueError(
+            f"layer_types: tunegen's integration runs full and sliding attention layers, not {kind!r}"
+        )
+    window = getattr(module, "sliding_window", None)
+    if window is None and kind == "sliding_attention":
+        window = getattr(config, "sliding_window", None)
+    if window is None and kind is None and getattr(config, "sliding_window", None) is not None:
+        raise ValueError(
+            "sliding_window: this model's config names a window that its layers do not pass to the "
+            "attention function; tunegen's integration cannot tell which layers slide"
+        )
+    return window
+
+
+def _mask(**kwargs: Any) -> torch.Tensor | None:
+    """transformers' mask for a layer kind: none where the pattern is causal (or a causal sliding
+    window, which `attention_forward` reads from the layer) and no token is padding, as for
+    FlashAttention; SDPA's real mask wherever transformers may not skip it (packed sequences, prefix
+    or image-token overlays, other deviations, a compiled cache's decode step), which the attention
+    refuses rather than run unmasked."""
+    from transformers.masking_utils import flash_attention_mask, sdpa_mask
+
+    if not kwargs.get("allow_is_causal_skip", True) or not kwargs.get("allow_is_bidirectional_skip", True):
+        return sdpa_mask(**kwargs)
+    return flash_attention_mask(**kwargs)
 
 
 def _layer_type(module: torch.nn.Module) -> str | None:
@@ -81,7 +119,7 @@ def _layer_type(module: torch.nn.Module) -> str | None:
 def register(name: str = NAME) -> None:
     """Make `attn_implementation=name` run tunegen in every transformers model."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(name, attention_forward)
-    AttentionMaskInterface.register(name, flash_attention_mask)
+    AttentionMaskInterface.register(name, _mask)

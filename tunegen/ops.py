@@ -178,9 +178,22 @@ def _keep_for_backward(ctx, inputs, output) -> None:
     ctx.save_for_backward(q, k, v, out, lse, *tensors)
     ctx.rest = [a for a in rest if not isinstance(a, torch.Tensor)]
     ctx.inputs_past_qkv = len(rest)
+    window_left, window_right, chunk, softcap, sinks = inputs[-5:]
+    ctx.local = (window_left, window_right) != (-1, -1) or chunk != 0 or softcap != 0 or sinks is not None
+
+
+def _refuse_local(ctx) -> None:
+    """A ValueError where the forward had a window, chunks, a cap or sinks: the backward renders
+    none of them in this release (the public calls refuse before; the ops may be called directly)."""
+    if ctx.local:
+        raise ValueError(
+            "window_size: the backward renders no window_size, attention_chunk, softcap or sinks in "
+            "this release"
+        )
 
 
 def _attention_grads(ctx, dout, dlse):
+    _refuse_local(ctx)
     q, k, v, out, lse, *_ = ctx.saved_tensors
     causal, scale, _, deterministic, *_ = ctx.rest
     if lse.numel() == 0:  # called without the log-sum-exp (return_lse=False): compute it again
@@ -191,6 +204,7 @@ def _attention_grads(ctx, dout, dlse):
 
 
 def _attention_varlen_grads(ctx, dout, dlse):
+    _refuse_local(ctx)
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *_ = ctx.saved_tensors
     max_seqlen_q, max_seqlen_k, causal, scale, _, deterministic, *_ = ctx.rest
     sizes = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)

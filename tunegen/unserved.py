@@ -11,12 +11,12 @@ import torch
 WHY = {
     "dropout_p": "tunegen applies no dropout; pass 0.0, as in evaluation",
     "return_debug_mask": "tunegen returns no attention probabilities",
-    "softcap": "logit softcapping is not served yet; pass 0.0",
+    "softcap": "logit softcapping is not served over a KV cache yet; pass 0.0",
     "alibi_slopes": "ALiBi is not served",
-    "window_size": "sliding windows are not served yet; pass (-1, -1), or (-1, 0) for causal",
+    "window_size": "sliding windows are not served over a KV cache yet; pass (-1, -1), or (-1, 0) for causal",
     "window_size_left": "sliding windows are not served yet",
     "window_size_right": "sliding windows are not served yet",
-    "attention_chunk": "chunked local attention is not served yet; pass 0",
+    "attention_chunk": "chunked local attention is not served over a KV cache yet; pass 0",
     "rotary_cos": "tunegen applies no rotary embedding; rotate q and k before the call",
     "rotary_sin": "tunegen applies no rotary embedding; rotate q and k before the call",
     "cache_batch_idx": "the cache's rows are the batch's, in order; index the cache before the call",
@@ -83,6 +83,23 @@ def served_causal(
     require(softcap=not softcap, alibi_slopes=alibi_slopes is None)
     left, right = window_of(window_size)
     return causal_of(bool(causal), left, right, seqlen_k, "window_size")
+
+
+def served_local(
+    causal: object,
+    window_size: object,
+    softcap: object = 0.0,
+    alibi_slopes: object = None,
+    attention_chunk: object = 0,
+) -> dict[str, object]:
+    """`tunegen.attention`'s mask and features for FlashAttention's prefill arguments (ALiBi
+    Unserved), as FlashAttention reads them: a negative side is unbounded (-1), and causal bounds
+    the right side (its override of a right side under causal)."""
+    require(alibi_slopes=alibi_slopes is None)
+    left, right = (max(side, -1) for side in window_of(window_size))
+    causal = bool(causal)
+    window = (left, -1 if causal else right)
+    return {"causal": causal, "window_size": window, "softcap": softcap, "attention_chunk": attention_chunk}
 
 
 def window_of(window_size: object) -> tuple[int, int]:

@@ -153,3 +153,32 @@ def test_the_tuning_case_runs_and_checks_them(device):
     case = prefill.FAMILY.case(problem, blind, torch.device(device), seed=3)
     case.launch()
     assert case.error() > 0.1
+
+
+@pytest.mark.parametrize(
+    ("causal", "window", "chunk", "nq", "nk"),
+    [
+        (True, (100, -1), 0, 256, 256),
+        (False, (-1, -1), 128, 256, 256),
+        (True, (-1, -1), 64, 200, 256),
+        (False, (70, 50), 0, 256, 200),
+        (False, (1, -1), 0, 163, 38),
+    ],
+    ids=["wide window", "wide chunk", "chunk, fewer queries", "window both sides", "narrow, more queries"],
+)
+def test_blocks_every_row_sees_whole_skip_the_mask_and_only_those(device, causal, window, chunk, nq, nk):
+    """Windows and chunks several blocks wide, so that tiles take unmasked steps between masked ones
+    (a wrong bound of that region lets some row see keys it must not)."""
+    dtype = torch.float16
+    gen = torch.Generator().manual_seed(nq + nk + chunk)
+    q = randn(1, 2, nq, 24, dtype=dtype, device=device, gen=gen)
+    k, v = (randn(1, 1, nk, 24, dtype=dtype, device=device, gen=gen) for _ in range(2))
+    ref, ref_lse = attention_reference(
+        q, k, v, causal=causal, scale=0.4, window_size=window, attention_chunk=chunk
+    )
+    call = PrefillCall(q, k, v, causal, 0.4, True)
+    for block in (16, 32):
+        variant = _variants(device)[0].replace(block_m=block, block_n=block, causal_split=True)
+        out, lse = _run(variant, call, window, chunk, 0.0, None)
+        assert rel_err(out, ref) < REL_TOL[dtype], block
+        assert_lse(lse, ref_lse, dtype)

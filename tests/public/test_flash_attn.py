@@ -13,6 +13,7 @@ import torch
 import tunegen.flash_attn as fa2
 import tunegen.flash_attn_interface as fa3
 from helpers import (
+    REL_TOL,
     assert_grads,
     assert_lse,
     leaves,
@@ -232,14 +233,23 @@ def test_fa3_fp8_as_flashattention3_runs_it(device):
             lambda q, k, v: fa2.flash_attn_func(q, k, v, dropout_p=0.1),
             "dropout_p: tunegen applies no dropout",
         ),
-        (lambda q, k, v: fa2.flash_attn_func(q, k, v, window_size=(3, 0)), "window_size: sliding windows"),
+        (
+            lambda q, k, v: fa2.flash_attn_with_kvcache(q, k, v, window_size=(3, 0)),
+            "window_size: sliding windows are not served over a KV cache",
+        ),
         (
             lambda q, k, v: fa2.flash_attn_func(q, k, v, window_size=8),
             r"window_size: expected \(left, right\)",
         ),
-        (lambda q, k, v: fa2.flash_attn_func(q, k, v, softcap=30.0), "softcap: logit softcapping"),
+        (
+            lambda q, k, v: fa2.flash_attn_with_kvcache(q, k, v, softcap=30.0),
+            "softcap: logit softcapping is not served over a KV cache",
+        ),
         (lambda q, k, v: fa2.flash_attn_func(q, k, v, alibi_slopes=torch.ones(2)), "alibi_slopes: ALiBi"),
-        (lambda q, k, v: fa3.flash_attn_func(q, k, v, attention_chunk=8), "attention_chunk: chunked local"),
+        (
+            lambda q, k, v: fa3.flash_attn_with_kvcache(q, k, v, attention_chunk=8),
+            "attention_chunk: chunked local attention is not served over a KV cache",
+        ),
         (lambda q, k, v: fa3.flash_attn_func(q, k, v, num_splits=4), "num_splits: tunegen chooses"),
         (lambda q, k, v: fa3.flash_attn_func(q, k, v, pack_gqa=True), "pack_gqa: tunegen groups"),
         (lambda q, k, v: fa3.flash_attn_func(q, k, v, sm_margin=8), "sm_margin: tunegen's kernels"),
@@ -269,6 +279,39 @@ def test_unserved_arguments_are_refused_by_name(call, pattern):
     q, k, v = (torch.randn(1, 6, 2, 16, dtype=torch.float16) for _ in range(3))
     with pytest.raises(ValueError, match=pattern):
         call(q, k, v)
+
+
+@pytest.mark.parametrize(
+    ("interface", "kwargs"),
+    [
+        ("fa2", {"causal": True, "window_size": (5, 0)}),
+        ("fa2", {"window_size": (4, 3), "softcap": 2.0}),
+        (
+            "fa3",
+            {"causal": True, "attention_chunk": 8, "window_size": (-7, 9)},
+        ),  # causal drops the right side
+    ],
+)
+def test_windows_caps_and_chunks_run_forward_as_flashattention_reads_them(device, interface, kwargs):
+    """Served without autograd (tunegen's backward renders none of them yet); under autograd a
+    ValueError names the argument. A negative side is unbounded, as FlashAttention reads it."""
+    dtype = torch.float16
+    q, k, v, _ = _bshd(*qkv_dout(2, 4, 2, 29, 41, 32, dtype, device, seed=9))
+    fa = fa2 if interface == "fa2" else fa3
+    out = fa.flash_attn_func(q, k, v, softmax_scale=0.3, **kwargs)
+    causal = kwargs.get("causal", False)
+    left, right = kwargs["window_size"]
+    local = {
+        "window_size": (max(left, -1), -1 if causal else right),
+        "attention_chunk": kwargs.get("attention_chunk", 0),
+        "softcap": kwargs.get("softcap", 0.0),
+    }
+    forward = lambda q, k, v: attention_reference(q, k, v, causal=causal, scale=0.3, **local)
+    ref, _ = forward(*(t.transpose(1, 2).double() for t in (q, k, v)))
+    assert rel_err(out, ref.transpose(1, 2)) < REL_TOL[dtype]
+    q.requires_grad_(True)
+    with pytest.raises(ValueError, match=r"\w+: the backward renders no window_size"):
+        fa.flash_attn_func(q, k, v, softmax_scale=0.3, **kwargs)
 
 
 def test_varlen_refusals_name_the_argument():

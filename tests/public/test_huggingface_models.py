@@ -1,8 +1,9 @@
 """attn_implementation="tunegen" runs current models' attention as transformers' eager one does:
 tiny random Mistral (a sliding window), Gemma 2 (windows on alternate layers, the logit cap),
-Gemma 3 (windows on five layers of six) and gpt-oss (windows and sinks, head dim 64), on logits
-over prompts longer than their windows and on cached greedy generation past them; Llama 4's chunked
-layers are refused by name."""
+Gemma 3 (windows on five layers of six), gpt-oss (windows and sinks, head dim 64) and Qwen2-MoE
+(a window its layers keep rather than pass), on logits over prompts longer than their windows and
+on cached greedy generation past them; what it cannot read (packed sequences, a window no layer
+passes, Llama 4's chunked layers) is refused by name."""
 
 from __future__ import annotations
 
@@ -72,7 +73,25 @@ def _gpt_oss():
     return model
 
 
-MODELS = {"mistral": _mistral, "gemma2": _gemma2, "gemma3": _gemma3, "gpt-oss": _gpt_oss}
+def _qwen2_moe():
+    """Qwen2-MoE keeps its window on the layer (`self.sliding_window`) and passes none to the
+    attention function: the layer's window must run all the same."""
+    moe = {"num_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 32}
+    window = {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0}
+    layers = {"num_hidden_layers": 2, "layer_types": ["sliding_attention"] * 2}
+    config = transformers.Qwen2MoeConfig(
+        **COMMON, **moe, **window, **layers, shared_expert_intermediate_size=32
+    )
+    return transformers.Qwen2MoeForCausalLM(config)
+
+
+MODELS = {
+    "mistral": _mistral,
+    "gemma2": _gemma2,
+    "gemma3": _gemma3,
+    "gpt-oss": _gpt_oss,
+    "qwen2-moe": _qwen2_moe,
+}
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
@@ -119,3 +138,27 @@ def test_llama4s_chunked_layers_are_refused_by_name():
     q = torch.randn(1, 2, 5, 16)
     with pytest.raises(ValueError, match="attention_chunk: transformers passes chunked layers"):
         tunegen.huggingface.attention_forward(Layer(), q, q, q, None)
+
+
+def test_what_the_integration_cannot_read_is_refused_not_run_unmasked():
+    """Packed sequences (positions restarting, no cache: a block-diagonal mask), and a config that
+    names a window its layers never pass (PhiMoE), raise by name."""
+    tunegen.huggingface.register()
+    torch.manual_seed(0)
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON, num_hidden_layers=1)).eval()
+    llama.set_attn_implementation("tunegen")
+    ids = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(5))
+    positions = torch.cat([torch.arange(10), torch.arange(10)])[None]
+    packed = "attention_mask: tunegen runs causal or full attention without a mask"
+    with pytest.raises(ValueError, match=packed), torch.no_grad():
+        llama(input_ids=ids, position_ids=positions, use_cache=False)
+    config = transformers.PhimoeConfig(
+        **COMMON, num_hidden_layers=1, num_local_experts=2, num_experts_per_tok=1, sliding_window=8
+    )
+    phimoe = transformers.PhimoeForCausalLM(config).eval()
+    phimoe.set_attn_implementation("tunegen")
+    with (
+        pytest.raises(ValueError, match="sliding_window: this model's config names a window"),
+        torch.no_grad(),
+    ):
+        phimoe(input_ids=ids)

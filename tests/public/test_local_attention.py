@@ -141,3 +141,50 @@ def test_fullgraph_compile_passes_them_through_the_custom_op():
         q, k, v, causal=True, scale=32**-0.5, window_size=(6, -1), softcap=4.0, sinks=sinks
     )
     assert rel_err(out / 2, ref) < REL_TOL[torch.float16]
+
+
+def test_a_packed_batch_keeps_a_chunk_wider_than_its_keys(device):
+    """Not causal, a chunk of 64 over sequences of at most 30 keys: a dense call would drop it, but
+    the packed batch holds a sequence with more queries than keys, whose rows at negative positions
+    the chunk blinds."""
+    gen = torch.Generator().manual_seed(10)
+    cu_q = torch.tensor([0, 30, 40], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 10, 40], dtype=torch.int32, device=device)
+    q = randn(40, 4, 32, dtype=torch.float16, device=device, gen=gen)
+    k, v = (randn(40, 2, 32, dtype=torch.float16, device=device, gen=gen) for _ in range(2))
+    out, lse = tunegen.attention_varlen(q, k, v, cu_q, cu_k, 30, 30, attention_chunk=64, return_lse=True)
+    ref, ref_lse = attention_varlen_reference(
+        q, k, v, cu_q, cu_k, causal=False, scale=32**-0.5, attention_chunk=64
+    )
+    assert rel_err(out, ref) < REL_TOL[torch.float16]
+    assert_lse(lse, ref_lse, torch.float16)
+    assert torch.all(out[:20] == 0), "the first sequence's first 20 rows sit at negative positions"
+
+
+def test_the_custom_op_called_directly_refuses_the_backward():
+    """The public calls refuse autograd over the features; the op, called directly, does too rather
+    than give the plain mask's gradients."""
+    q, k, v, _ = _inputs("cpu", 20, 20, seed=11)
+    q.requires_grad_(True)
+    out, _ = torch.ops.tunegen.attention(q, k, v, True, 0.25, False, False, 3, -1, 0, 0.0, None)
+    with pytest.raises(ValueError, match="window_size: the backward renders no"):
+        out.sum().backward()
+
+
+def test_explain_names_the_problem_they_dispatch_under():
+    q, k, v, sinks = _inputs("cpu", 64, 64, seed=12)
+    told = tunegen.explain(q, k, v, causal=True, window_size=(8, -1), sinks=sinks)
+    assert (told["problem"]["window_left"], told["problem"]["sinks"]) == (8, True)
+    with pytest.raises(ValueError, match="window_size: FP8 attention takes none of"):
+        tunegen.explain(q, k, v, window_size=(8, -1), precision="fp8")
+
+
+def test_a_sink_of_minus_infinity_is_no_sink(device):
+    """-inf joins no softmax: rows that see no key give zeros and -inf, the others their plain
+    softmax (a sink's exp(-inf) is 0)."""
+    q, k, v, sinks = _inputs(device, 30, 20, seed=13)
+    sinks[1] = float("-inf")
+    out, lse = tunegen.attention(q, k, v, causal=True, sinks=sinks, return_lse=True)
+    ref, ref_lse = attention_reference(q, k, v, causal=True, scale=32**-0.5, sinks=sinks)
+    assert rel_err(out, ref) < REL_TOL[torch.float16]
+    assert_lse(lse, ref_lse, torch.float16)

@@ -40,21 +40,25 @@ class Local:
             "sinks": self.sinks,
         }
 
-    def key(self, causal: bool, seqlen_q: int, seqlen_k: int, varlen: bool) -> dict[str, object]:
-        """The Problem's fields for a call of these lengths (with `varlen`, the bounds on them):
-        the canonical mask (`normalize_local`; `causal` included, which a right side of 0 sets),
-        and whether the cap and sinks are on. A packed batch keeps a chunk wider than its keys
-        unless causal: a sequence with more queries than keys may hold rows the chunk blinds."""
+    def normalized(self, causal: bool, seqlen_q: int, seqlen_k: int, varlen: bool) -> tuple[bool, Local]:
+        """The same mask for a call of these lengths (with `varlen`, the bounds on them) in its
+        canonical form (`normalize_local`): the causal flag (which a right side of 0 sets) and
+        these features with every bound that excludes no key dropped, so that a window wider than
+        the sequences is the plain call. A packed batch keeps a chunk wider than its keys unless
+        causal: a sequence with more queries than keys may hold rows the chunk blinds."""
         causal, left, right, chunk = masks.normalize_local(
             causal, self.window_left, self.window_right, self.attention_chunk, seqlen_q, seqlen_k
         )
         if varlen and not causal and self.attention_chunk > 0 and chunk == 0:
             chunk = self.attention_chunk
+        return causal, Local(left, right, chunk, self.softcap, self.sinks)
+
+    def key(self) -> dict[str, object]:
+        """The Problem's fields for these (canonical) features."""
         return {
-            "causal": causal,
-            "window_left": left,
-            "window_right": right,
-            "attention_chunk": chunk,
+            "window_left": self.window_left,
+            "window_right": self.window_right,
+            "attention_chunk": self.attention_chunk,
             "softcap": self.softcap > 0,
             "sinks": self.sinks is not None,
         }
@@ -118,8 +122,8 @@ def local_arguments(
 
 
 def refuse_grad(passed: list[str], grad: bool) -> None:
-    """Raise ValueError naming the first feature passed where autograd records: the backward does
-    not render them in this release."""
+    """Raise ValueError naming the first feature passed where autograd records (`grad`) over a mask
+    or features that remain after normalizing: the backward does not render them in this release."""
     if grad:
         raise ValueError(
             f"{passed[0]}: the backward renders no window_size, attention_chunk, softcap or sinks in this "

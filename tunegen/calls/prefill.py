@@ -80,8 +80,13 @@ class PrefillCall:
         checks.check_attention(q, k, v)
         resolved = checks.check_scale(scale, q.shape[-1])
         local = check_local(q, window_size, attention_chunk, softcap, sinks)
+        mask, local = (
+            local.normalized(bool(causal), q.shape[2], k.shape[2], False)
+            if local.any
+            else (bool(causal), local)
+        )
         flag = bool(deterministic)
-        return cls(q, k, v, bool(causal), resolved, bool(return_lse), strict, deterministic=flag, local=local)
+        return cls(q, k, v, mask, resolved, bool(return_lse), strict, deterministic=flag, local=local)
 
     @classmethod
     def packed(
@@ -111,12 +116,14 @@ class PrefillCall:
         checks.check_attention_varlen(q, k, v, *sizes, read_lengths=read_lengths)
         resolved = checks.check_scale(scale, q.shape[-1])
         local = check_local(q, window_size, attention_chunk, softcap, sinks)
+        bounds = (int(max_seqlen_q), int(max_seqlen_k))
+        mask, local = local.normalized(bool(causal), *bounds, True) if local.any else (bool(causal), local)
         flag = bool(deterministic)
         return cls(
             q,
             k,
             v,
-            bool(causal),
+            mask,
             resolved,
             bool(return_lse),
             strict,
@@ -158,10 +165,6 @@ class PrefillCall:
         q, k, v = self.q, self.k, self.v
         if self.descales is not None and fp8.is_k_major(v):
             v = v.transpose(2, 3)
-        varlen = self.varlen is not None
-        mask = {"causal": self.causal}
-        if self.local.any:
-            mask = self.local.key(self.causal, self.seqlen_q, self.seqlen_k, varlen)
         return Problem.of(
             family="prefill",
             dtype=DTYPE_NAMES[out.dtype],
@@ -171,11 +174,12 @@ class PrefillCall:
             batch=self.batch,
             seqlen_q=self.seqlen_q,
             seqlen_k=self.seqlen_k,
-            varlen=varlen,
+            causal=self.causal,
+            varlen=self.varlen is not None,
             fp8=self.descales is not None,
             return_lse=self.return_lse,
             aligned=checks.is_aligned16(q, k, v, out),
-            **mask,
+            **self.local.key(),
         )
 
     def args(self, out: torch.Tensor, lse: torch.Tensor | None) -> PrefillArgs:

@@ -3,28 +3,11 @@ kernels; `tunegen.flash_attn` exports them as the `flash_attn` package does (see
 
 from __future__ import annotations
 
-import operator
-
 import torch
 
 from tunegen.api import attention, attention_varlen
 from tunegen.decode import decode_attention
-from tunegen.unserved import flash_lse, require, served_causal
-
-
-def length(t: object, dim: int) -> int | None:
-    """`t`'s size along `dim` where `t` is a tensor with that dim (else None: the checks that
-    follow name what is wrong with it)."""
-    return t.shape[dim] if isinstance(t, torch.Tensor) and -t.dim() <= dim < t.dim() else None
-
-
-def bound_of(max_seqlen: object) -> int | None:
-    """A varlen call's `max_seqlen_k` as an int (a Python int, numpy integer or 0-d tensor), else
-    None: the checks that follow name what is wrong with it."""
-    try:
-        return operator.index(max_seqlen)
-    except TypeError:
-        return None
+from tunegen.unserved import flash_lse, require, served_causal, served_local
 
 
 def operand(name: str, t: object, layout: str, packed: int = 0) -> torch.Tensor:
@@ -40,14 +23,14 @@ def operand(name: str, t: object, layout: str, packed: int = 0) -> torch.Tensor:
     return t
 
 
-def dense(q, k, v, causal: bool, scale: object, return_lse: object, deterministic: object, **fp8: object):
-    """`tunegen.attention` on FlashAttention's (batch, seqlen, heads, head_dim) tensors: the
-    output in that layout, and the log-sum-exp (batch, heads, seqlen_q) if `return_lse`, in
-    FlashAttention's convention (`flash_lse`)."""
+def dense(q, k, v, local: dict, scale: object, return_lse: object, deterministic: object, **fp8: object):
+    """`tunegen.attention` on FlashAttention's (batch, seqlen, heads, head_dim) tensors with the
+    mask and features `local` (`served_local`): the output in that layout, and the log-sum-exp
+    (batch, heads, seqlen_q) if `return_lse`, in FlashAttention's convention (`flash_lse`)."""
     layout = "(batch, seqlen, heads, head_dim)"
     q_, k_, v_ = (operand(n, t, layout).transpose(1, 2) for n, t in (("q", q), ("k", k), ("v", v)))
     flags = {"return_lse": bool(return_lse), "deterministic": bool(deterministic)}
-    result = attention(q_, k_, v_, causal=causal, scale=scale, **flags, **fp8)
+    result = attention(q_, k_, v_, scale=scale, **local, **flags, **fp8)
     if not return_lse:
         return result.transpose(1, 2)
     out, lse = result
@@ -76,10 +59,11 @@ def flash_attn_func(
     """Attention over (batch, seqlen, heads, head_dim) q and k, v (fewer heads for GQA/MQA): the
     output like q, and with `return_attn_probs` the log-sum-exp (batch, heads, seqlen_q) float32
     and an empty S_dmask. Differentiable in q, k, v; `deterministic` makes the backward's
-    gradients the same bits on every run."""
+    gradients the same bits on every run. A window or cap runs without autograd only (tunegen's
+    backward renders neither yet)."""
     require(dropout_p=not dropout_p)
-    causal = served_causal(causal, window_size, length(k, 1), softcap, alibi_slopes)
-    result = dense(q, k, v, causal, softmax_scale, return_attn_probs, deterministic)
+    local = served_local(causal, window_size, softcap, alibi_slopes)
+    result = dense(q, k, v, local, softmax_scale, return_attn_probs, deterministic)
     if not return_attn_probs:
         return result
     out, lse = result
@@ -147,8 +131,7 @@ def flash_attn_varlen_func(
     `cu_seqlens_q`/`cu_seqlens_k` (batch + 1): the output like q, and with `return_attn_probs`
     the log-sum-exp (heads, total_q) float32 and an empty S_dmask. Differentiable in q, k, v."""
     require(dropout_p=not dropout_p, block_table=block_table is None)
-    bound = bound_of(max_seqlen_k)
-    causal = served_causal(causal, window_size, bound, softcap, alibi_slopes)
+    local = served_local(causal, window_size, softcap, alibi_slopes)
     result = attention_varlen(
         q,
         k,
@@ -157,10 +140,10 @@ def flash_attn_varlen_func(
         cu_seqlens_k,
         max_seqlen_q,
         max_seqlen_k,
-        causal=causal,
         scale=softmax_scale,
         return_lse=bool(return_attn_probs),
         deterministic=bool(deterministic),
+        **local,
     )
     if not return_attn_probs:
         return result

@@ -232,7 +232,8 @@ def fa2_default(problem: Problem, gpu: Gpu) -> PrefillVariant:
 
 class PrefillFamily:
     name = "prefill"
-    # FlashAttention-2's loop renders all of them for 16-bit and float32 inputs (`_check_local`).
+    # FlashAttention-2's loop renders all of them for 16-bit and float32 inputs; the Hopper
+    # schedule and FP8 refuse them (`check_ws`, `_check_fp8`).
     model_features: ClassVar[frozenset[str]] = frozenset(MODEL_FEATURES)
     template = "attention_fwd.py.j2"
     variant_type = PrefillVariant
