@@ -10,6 +10,7 @@ import torch
 from tunegen import checks
 from tunegen.backends import capturing
 from tunegen.calls.decode import DecodeCall, unit_descales
+from tunegen.calls.local import local_arguments
 from tunegen.kernels import dispatch, launcher
 from tunegen.kernels.gpu import gpu_of
 from tunegen.kernels.launch_args import DecodeArgs
@@ -40,6 +41,10 @@ def decode_attention(
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
     check: bool | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    attention_chunk: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of a few new query tokens per sequence over a KV cache (`flash_attn_with_kvcache`).
 
@@ -63,18 +68,16 @@ def decode_attention(
     (FlashAttention-3's names; None means 1): cached value = e4m3 value x descale. The kernel
     widens the cache in registers; new tokens are divided by the descales and rounded to e4m3
     (saturating at ±448) as they are appended.
+
+    `window_size`, `attention_chunk`, `softcap` and `sinks` as `tunegen.attention`'s (query i of nq
+    at position cache_seqlens + new_tokens - nq + i): the splits of a window's or chunk's cache
+    start at its first key, so pages before it are never read.
     """
-    try:
-        plain = block_table is None and k is None and v is None and k_descale is None and v_descale is None
-        key = (
-            launcher.key_of(q, k_cache, v_cache, cache_seqlens),
-            None if plain else launcher.key_of(block_table, k, v, k_descale, v_descale),
-            bool(causal),
-            bool(return_lse),
-        )
-        fast = dispatch.fast_calls.get(key)
-    except (AttributeError, TypeError):  # not tensors, or unhashable: the checks say what is wrong
-        key = fast = None
+    key = fast = None
+    if not local_arguments(window_size, attention_chunk, softcap, sinks):  # no fast path serves them
+        key = _launch_key(q, k_cache, v_cache, cache_seqlens, block_table, k, v, k_descale, v_descale)
+        key = None if key is None else (*key, bool(causal), bool(return_lse))
+        fast = None if key is None else dispatch.fast_calls.get(key)
     if fast is not None and not checking(check):
         return fast(q, k_cache, v_cache, cache_seqlens, block_table, k, v, k_descale, v_descale, scale)
     call = DecodeCall.checked(
@@ -92,6 +95,10 @@ def decode_attention(
         k_descale=k_descale,
         v_descale=v_descale,
         read_lengths=checking(check) and not capturing(q),
+        window_size=window_size,
+        attention_chunk=attention_chunk,
+        softcap=softcap,
+        sinks=sinks,
     )
     if call.backend() == "torch":
         out, lse = call.fallback()
@@ -106,6 +113,17 @@ def decode_attention(
         dispatch.fast_calls[key] = _fast(bound, call)
         bound(args)
     return (out, lse) if return_lse else out
+
+
+def _launch_key(q, k_cache, v_cache, cache_seqlens, block_table, k, v, k_descale, v_descale) -> tuple | None:
+    """The tensors' part of a call's launch key (see eager.run), or None where they are not tensors
+    or not hashable (the checks then say what is wrong)."""
+    try:
+        plain = block_table is None and k is None and v is None and k_descale is None and v_descale is None
+        tensors = launcher.key_of(q, k_cache, v_cache, cache_seqlens)
+        return tensors, None if plain else launcher.key_of(block_table, k, v, k_descale, v_descale)
+    except (AttributeError, TypeError):
+        return None
 
 
 def _fast(bound: Callable[[DecodeArgs], None], call: DecodeCall) -> Callable[..., object]:

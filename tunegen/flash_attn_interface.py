@@ -22,11 +22,10 @@ from tunegen.api import attention_varlen
 from tunegen.decode import decode_attention
 from tunegen.flash_attn.flash_attn_interface import (
     cache_lengths,
-    capacity,
     dense,
     operand,
 )
-from tunegen.unserved import flash_lse, require, served_causal, served_local
+from tunegen.unserved import flash_lse, require, served_local
 
 __all__ = [
     "flash_attn_func",
@@ -208,8 +207,9 @@ def flash_attn_with_kvcache(
     `k`, `v` are written into the cache in place at `cache_seqlens` first. A float8_e4m3fn cache
     takes `k_descale`/`v_descale` (batch, kv_heads) float32. Returns the output like q, and with
     `return_softmax_lse` (out, lse (batch, heads, seqlen_q) float32, out_accum, lse_accum), the
-    last two empty. Not differentiable, as FlashAttention-3's. `rotary_interleaved` applies to
-    the rotary embedding, which tunegen does not serve."""
+    last two empty. Not differentiable, as FlashAttention-3's. A window, the cap and chunks run as
+    FlashAttention-3 reads them. `rotary_interleaved` applies to the rotary embedding, which
+    tunegen does not serve."""
     require(
         qv=qv is None,
         rotary_cos=rotary_cos is None,
@@ -221,14 +221,13 @@ def flash_attn_with_kvcache(
         cu_seqlens_k_new=cu_seqlens_k_new is None,
         max_seqlen_q=max_seqlen_q is None,
         q_descale=q_descale is None,
-        attention_chunk=not attention_chunk,
         scheduler_metadata=scheduler_metadata is None,
     )
     _hints(num_splits, pack_gqa, sm_margin)
     if cache_seqlens is None and k is not None:
         raise ValueError("cache_seqlens: required where k and v are appended (where to write them)")
     lengths = cache_lengths(cache_seqlens, q, k_cache, page_table)
-    causal = served_causal(causal, window_size, capacity(k_cache, page_table), softcap)
+    local = served_local(causal, window_size, softcap, attention_chunk=attention_chunk)
     result = decode_attention(
         q,
         k_cache,
@@ -237,11 +236,11 @@ def flash_attn_with_kvcache(
         k=k,
         v=v,
         block_table=page_table,
-        causal=causal,
         scale=softmax_scale,
         return_lse=bool(return_softmax_lse),
         k_descale=k_descale,
         v_descale=v_descale,
+        **local,
     )
     if not return_softmax_lse:
         return result

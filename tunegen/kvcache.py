@@ -13,6 +13,7 @@ import torch
 
 from tunegen import checks
 from tunegen.calls.decode import check_decode
+from tunegen.calls.local import check_local
 from tunegen.decode import decode_attention
 from tunegen.kernels import fp8
 from tunegen.kernels.problem import DTYPE_NAMES
@@ -149,13 +150,26 @@ class KVCache:
         *,
         causal: bool = True,
         scale: float | None = None,
+        window_size: tuple[int, int] = (-1, -1),
+        attention_chunk: int = 0,
+        softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Decode attention for `layer`: writes `k`/`v` (batch, new, kv_heads, head_dim) after each
-        sequence's cached tokens, then attends q (batch, nq, heads, head_dim) over them. A call
+        sequence's cached tokens, then attends q (batch, nq, heads, head_dim) over them, with the
+        layer's window, chunks, cap and sinks as `tunegen.decode_attention` takes them. A call
         refused changes nothing: the arguments are checked before pages are taken or (FP8) the
         descales set."""
         if not (_is_int(layer) and 0 <= layer < self.num_layers):
             raise ValueError(f"layer: expected an int from 0 to {self.num_layers - 1}, got {layer!r}")
+        local = {
+            "window_size": window_size,
+            "attention_chunk": attention_chunk,
+            "softcap": softcap,
+            "sinks": sinks,
+        }
+        checks.tensor_arg("q", q, 4, "(batch, nq, heads, head_dim)")
+        check_local(q, **local, heads_dim=2)
         descales = {}
         if self.fp8:
             descales = {"k_descale": self.k_descale[layer], "v_descale": self.v_descale[layer]}
@@ -183,6 +197,7 @@ class KVCache:
             causal=causal,
             scale=scale,
             **descales,
+            **local,
         )
 
     def advance(self, new_tokens: int) -> None:

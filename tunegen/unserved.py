@@ -11,12 +11,9 @@ import torch
 WHY = {
     "dropout_p": "tunegen applies no dropout; pass 0.0, as in evaluation",
     "return_debug_mask": "tunegen returns no attention probabilities",
-    "softcap": "logit softcapping is not served over a KV cache yet; pass 0.0",
     "alibi_slopes": "ALiBi is not served",
-    "window_size": "sliding windows are not served over a KV cache yet; pass (-1, -1), or (-1, 0) for causal",
     "window_size_left": "sliding windows are not served yet",
     "window_size_right": "sliding windows are not served yet",
-    "attention_chunk": "chunked local attention is not served over a KV cache yet; pass 0",
     "rotary_cos": "tunegen applies no rotary embedding; rotate q and k before the call",
     "rotary_sin": "tunegen applies no rotary embedding; rotate q and k before the call",
     "cache_batch_idx": "the cache's rows are the batch's, in order; index the cache before the call",
@@ -69,20 +66,6 @@ def causal_of(causal: bool, left: int | None, right: int | None, seqlen_k: int |
     if bounded(right):
         require(**{name: False})
     return False
-
-
-def served_causal(
-    causal: object,
-    window_size: object,
-    seqlen_k: int | None,
-    softcap: object = 0.0,
-    alibi_slopes: object = None,
-) -> bool:
-    """The causal flag tunegen runs for FlashAttention's causal, window, softcap and ALiBi
-    arguments, or Unserved naming the one it does not serve."""
-    require(softcap=not softcap, alibi_slopes=alibi_slopes is None)
-    left, right = window_of(window_size)
-    return causal_of(bool(causal), left, right, seqlen_k, "window_size")
 
 
 def served_local(

@@ -213,8 +213,8 @@ def test_fp8_variants_compile_for_hopper_with_e4m3_tensor_cores():
 
 def test_the_features_of_current_models_compile_without_spilling():
     """FA2's prefill loop with a window, chunks, the cap and sinks (gpt-oss's, Gemma 2's and Llama
-    4's forms, and all four at once, dense and packed) compiles for sm_90 and sm_80 as the
-    defaults do."""
+    4's forms, and all four at once, dense and packed), and decode with them (contiguous and paged
+    caches), compile for sm_90 and sm_80 as the defaults do."""
     features = [
         {"window_left": 127, "sinks": True},
         {"window_left": 4095, "softcap": True},
@@ -240,6 +240,15 @@ def test_the_features_of_current_models_compile_without_spilling():
                 **changes,
             )
             jobs.append(_job(gpu, problem))
+    for gpu in TARGETS.values():
+        for changes, paged in itertools.product(features, (False, True)):
+            problem = Problem(
+                "decode", "bfloat16", 64, True, 64, 8, 16, 1, 8192, paged=paged, page_size=64 if paged else 0,
+                return_lse=True, **{k: v for k, v in changes.items() if k != "window_right"},
+            )  # fmt: skip
+            variant = decode.FAMILY.default_variant(problem, gpu)
+            rendered = render(decode.FAMILY.template, "decode", variant, decode.FAMILY.features(problem, gpu))
+            jobs.append(CompileJob(rendered, problem.dtype, gpu.capability))
     for job, report in zip(jobs, compile_many(jobs, workers=2), strict=True):
         assert report.error is None, (job.rendered.source.splitlines()[3], report.error)
         assert report.local_bytes is not None and report.local_bytes <= SPILL_BOUND, report.local_bytes

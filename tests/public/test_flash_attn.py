@@ -10,6 +10,7 @@ import inspect
 import pytest
 import torch
 
+import tunegen
 import tunegen.flash_attn as fa2
 import tunegen.flash_attn_interface as fa3
 from helpers import (
@@ -234,22 +235,10 @@ def test_fa3_fp8_as_flashattention3_runs_it(device):
             "dropout_p: tunegen applies no dropout",
         ),
         (
-            lambda q, k, v: fa2.flash_attn_with_kvcache(q, k, v, window_size=(3, 0)),
-            "window_size: sliding windows are not served over a KV cache",
-        ),
-        (
             lambda q, k, v: fa2.flash_attn_func(q, k, v, window_size=8),
             r"window_size: expected \(left, right\)",
         ),
-        (
-            lambda q, k, v: fa2.flash_attn_with_kvcache(q, k, v, softcap=30.0),
-            "softcap: logit softcapping is not served over a KV cache",
-        ),
         (lambda q, k, v: fa2.flash_attn_func(q, k, v, alibi_slopes=torch.ones(2)), "alibi_slopes: ALiBi"),
-        (
-            lambda q, k, v: fa3.flash_attn_with_kvcache(q, k, v, attention_chunk=8),
-            "attention_chunk: chunked local attention is not served over a KV cache",
-        ),
         (lambda q, k, v: fa3.flash_attn_func(q, k, v, num_splits=4), "num_splits: tunegen chooses"),
         (lambda q, k, v: fa3.flash_attn_func(q, k, v, pack_gqa=True), "pack_gqa: tunegen groups"),
         (lambda q, k, v: fa3.flash_attn_func(q, k, v, sm_margin=8), "sm_margin: tunegen's kernels"),
@@ -312,6 +301,29 @@ def test_windows_caps_and_chunks_run_forward_as_flashattention_reads_them(device
     q.requires_grad_(True)
     with pytest.raises(ValueError, match=r"\w+: the backward renders no window_size"):
         fa.flash_attn_func(q, k, v, softmax_scale=0.3, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("interface", "kwargs", "local"),
+    [
+        ("fa2", {"window_size": (5, 3), "softcap": 2.0}, {"window_size": (5, -1), "softcap": 2.0}),
+        ("fa3", {"window_size": (-4, -1), "attention_chunk": 8}, {"attention_chunk": 8}),
+    ],
+)
+def test_the_cache_functions_run_windows_caps_and_chunks(device, interface, kwargs, local):
+    """As FlashAttention reads them (causal drops the right side, a negative side is unbounded):
+    the same bits as `tunegen.decode_attention` given them directly, and float64's answer."""
+    gen = torch.Generator().manual_seed(31)
+    q = torch.randn(2, 1, 4, 16, generator=gen).to(device, torch.float16)
+    k_cache, v_cache = (torch.randn(2, 40, 2, 16, generator=gen).to(device, torch.float16) for _ in range(2))
+    seqlens = torch.tensor([30, 12], dtype=torch.int32, device=device)
+    fa = fa2 if interface == "fa2" else fa3
+    out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True, **kwargs)
+    assert torch.equal(out, tunegen.decode_attention(q, k_cache, v_cache, seqlens, causal=True, **local))
+    for b, n in enumerate((30, 12)):
+        kk, vv = (c[b : b + 1, :n].transpose(1, 2) for c in (k_cache, v_cache))
+        ref, _ = attention_reference(q[b : b + 1].transpose(1, 2), kk, vv, causal=True, scale=0.25, **local)
+        assert rel_err(out[b : b + 1], ref.transpose(1, 2)) < REL_TOL[torch.float16]
 
 
 def test_varlen_refusals_name_the_argument():

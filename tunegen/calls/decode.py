@@ -11,6 +11,7 @@ import torch
 
 from tunegen import checks
 from tunegen.backends import backend_for
+from tunegen.calls.local import NONE, Local, check_local
 from tunegen.kernels import fp8
 from tunegen.kernels.launch_args import DecodeArgs
 from tunegen.kernels.problem import DTYPE_NAMES, Problem
@@ -167,6 +168,7 @@ class DecodeCall:
     return_lse: bool
     strict: bool | None = None
     descales: tuple[torch.Tensor, torch.Tensor] | None = None
+    local: Local = NONE
 
     @classmethod
     def checked(
@@ -186,8 +188,14 @@ class DecodeCall:
         k_descale: object = None,
         v_descale: object = None,
         read_lengths: bool = False,
+        window_size: object = (-1, -1),
+        attention_chunk: object = 0,
+        softcap: object = 0.0,
+        sinks: object = None,
     ) -> DecodeCall:
-        """`tunegen.decode_attention`'s call, checked (see `check_decode`)."""
+        """`tunegen.decode_attention`'s call, checked (see `check_decode`); the features in their
+        canonical form for this cache (its capacity bounds every sequence; a chunk stays unless
+        causal, since a sequence may hold fewer keys than queries)."""
         check_decode(
             q,
             k_cache,
@@ -205,6 +213,13 @@ class DecodeCall:
             ones = unit_descales(q.shape[0], k_cache.shape[2], q.device)
             descales = (ones if k_descale is None else k_descale, ones if v_descale is None else v_descale)
         resolved = checks.check_scale(scale, q.shape[-1])
+        local = check_local(q, window_size, attention_chunk, softcap, sinks, heads_dim=2)
+        mask = bool(causal)
+        if local.any:
+            capacity = (
+                block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
+            )
+            mask, local = local.normalized(mask, q.shape[1], capacity, True)
         return cls(
             q,
             k_cache,
@@ -213,11 +228,12 @@ class DecodeCall:
             k,
             v,
             block_table,
-            bool(causal),
+            mask,
             resolved,
             bool(return_lse),
             strict,
             descales,
+            local,
         )
 
     def backend(self) -> str:
@@ -243,6 +259,7 @@ class DecodeCall:
             fp8=self.descales is not None,
             return_lse=self.return_lse,
             aligned=False,
+            **self.local.key(),
         )
 
     def outputs(self) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -271,6 +288,8 @@ class DecodeCall:
             self.v,
             k_descale,
             v_descale,
+            self.local.softcap,
+            self.local.sinks,
         )
 
     def fallback(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -286,14 +305,16 @@ class DecodeCall:
             self.causal,
             self.scale,
             self.descales or (),
+            self.local,
         )
 
 
-def reference(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, scale, descales=()):
+def reference(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, scale, descales=(), local=NONE):
     """The PyTorch path, with the kernels' promise: a sequence `_faults` names reads and writes
     nothing and gets NaN (output and log-sum-exp); every other one gets its new tokens written in
     place (quantized for an e4m3 cache, whose `descales` are (k_descale, v_descale)), then, once
-    all are written as the kernels do, attends in float32 over its gathered keys."""
+    all are written as the kernels do, attends in float32 over its gathered keys (with `local`'s
+    window, chunks, cap and sinks; a sequence with no key gets zeros and the sink's log-sum-exp)."""
     batch, nq = q.shape[0], q.shape[1]
     n_new = 0 if k is None else k.shape[1]
     if descales and k is not None:
@@ -316,13 +337,21 @@ def reference(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, sca
             out[b], lse[b] = float("nan"), float("nan")
             continue
         if not len(at[0]):
+            if local.sinks is not None:
+                lse[b] = local.sinks.to(lse.dtype)[:, None]
             continue
         keys, values = k_cache[at].transpose(0, 1)[None], v_cache[at].transpose(0, 1)[None]
         if descales:
             keys = keys.float() * descales[0][b, None, :, None, None]
             values = values.float() * descales[1][b, None, :, None, None]
         o, s = attention_reference(
-            q[b].transpose(0, 1)[None], keys, values, causal=causal, scale=scale, compute_dtype=torch.float32
+            q[b].transpose(0, 1)[None],
+            keys,
+            values,
+            causal=causal,
+            scale=scale,
+            compute_dtype=torch.float32,
+            **local.reference_args(),
         )
         out[b] = o[0].transpose(0, 1)
         lse[b] = s[0]

@@ -68,10 +68,16 @@ NONE = Local()
 
 
 def check_local(
-    q: torch.Tensor, window_size: object, attention_chunk: object, softcap: object, sinks: object
+    q: torch.Tensor,
+    window_size: object,
+    attention_chunk: object,
+    softcap: object,
+    sinks: object,
+    heads_dim: int = 1,
 ) -> Local:
-    """The call's features, checked against q (heads in dim 1 for dense calls, packed q's dim 1
-    too); each bad value gets a ValueError that names it. `sinks` is taken as a float32 copy."""
+    """The call's features, checked against q, whose dim `heads_dim` holds the query heads (1 for
+    prefill calls, dense or packed; 2 for decode's (batch, nq, heads, head_dim)); each bad value
+    gets a ValueError that names it. `sinks` is taken as a float32 copy."""
     if (
         not isinstance(window_size, tuple | list)
         or len(window_size) != 2
@@ -90,7 +96,7 @@ def check_local(
         or softcap < 0
     ):
         raise ValueError(f"softcap: expected a finite float >= 0 (0: no cap), got {softcap!r}")
-    heads = q.shape[1]
+    heads = q.shape[heads_dim]
     if sinks is not None:
         if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():
             raise ValueError(f"sinks: expected a floating-point tensor of shape ({heads},), got {sinks!r}")

@@ -7,7 +7,7 @@ import torch
 
 from tunegen.api import attention, attention_varlen
 from tunegen.decode import decode_attention
-from tunegen.unserved import flash_lse, require, served_causal, served_local
+from tunegen.unserved import flash_lse, require, served_local
 
 
 def operand(name: str, t: object, layout: str, packed: int = 0) -> torch.Tensor:
@@ -240,8 +240,9 @@ def flash_attn_with_kvcache(
     `block_table`; `k`, `v` (batch, new_tokens, kv_heads, head_dim) are written into the cache in
     place at `cache_seqlens` first. Returns the output like q, and with `return_softmax_lse` the
     log-sum-exp (batch, heads, seqlen_q) float32. Not differentiable, as FlashAttention's. A
-    window side of at least the cache's size is unbounded. `rotary_interleaved` applies to the
-    rotary embedding, which tunegen does not serve."""
+    window and the cap run as FlashAttention reads them (a window side of at least the cache's
+    size is unbounded). `rotary_interleaved` applies to the rotary embedding, which tunegen does
+    not serve."""
     require(
         rotary_cos=rotary_cos is None,
         rotary_sin=rotary_sin is None,
@@ -252,7 +253,7 @@ def flash_attn_with_kvcache(
     if cache_seqlens is None and k is not None:
         raise ValueError("cache_seqlens: required where k and v are appended (where to write them)")
     lengths = cache_lengths(cache_seqlens, q, k_cache, block_table)
-    causal = served_causal(causal, window_size, capacity(k_cache, block_table), softcap, alibi_slopes)
+    local = served_local(causal, window_size, softcap, alibi_slopes)
     result = decode_attention(
         q,
         k_cache,
@@ -261,9 +262,9 @@ def flash_attn_with_kvcache(
         k=k,
         v=v,
         block_table=block_table,
-        causal=causal,
         scale=softmax_scale,
         return_lse=bool(return_softmax_lse),
+        **local,
     )
     if not return_softmax_lse:
         return result

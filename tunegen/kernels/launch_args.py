@@ -43,7 +43,7 @@ class DecodeArgs:
     """The decode family's launch: q (batch, nq, heads, head_dim) over k_cache, v_cache (contiguous
     (batch, slots, kv_heads, head_dim), or pages with block_table), cache_seqlens (batch,) int32;
     out like q; lse (batch, heads, nq) float32 or None; new k, v to append first, or None; an e4m3
-    cache's float32 descales (batch, kv_heads)."""
+    cache's float32 descales (batch, kv_heads); the cap and the sinks as `PrefillArgs` takes them."""
 
     q: torch.Tensor
     k_cache: torch.Tensor
@@ -57,6 +57,8 @@ class DecodeArgs:
     v: torch.Tensor | None = None
     k_descale: torch.Tensor | None = None
     v_descale: torch.Tensor | None = None
+    softcap: float = 0.0
+    sinks: torch.Tensor | None = None
 
 
 @dataclasses.dataclass(slots=True)

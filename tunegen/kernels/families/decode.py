@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 
 from tunegen.kernels.families.operands import block_d, dot_precision
 from tunegen.kernels.gpu import Gpu
-from tunegen.kernels.problem import Problem
+from tunegen.kernels.problem import MODEL_FEATURES, Problem
 from tunegen.kernels.variant import Variant
 
 
@@ -51,7 +51,7 @@ def key_tile(page_size: int, usual: int) -> int:
 
 class DecodeFamily:
     name = "decode"
-    model_features: ClassVar[frozenset[str]] = frozenset()
+    model_features: ClassVar[frozenset[str]] = frozenset(MODEL_FEATURES)
     template = "attention_decode.py.j2"
     variant_type = DecodeVariant
     conditions: ClassVar[dict[str, tuple[str, tuple]]] = {}
@@ -70,6 +70,11 @@ class DecodeFamily:
             "precision": dot_precision(problem),
             "fp8": problem.fp8,
             "emulate_fp8": gpu.backend == "interpreter" and problem.fp8,
+            "window_left": problem.window_left,
+            "window_right": problem.window_right,
+            "attention_chunk": problem.attention_chunk,
+            "softcap": problem.softcap,
+            "sinks": problem.sinks,
         }
 
     def check_variant(self, variant: Variant, problem: Problem, gpu: Gpu) -> None:

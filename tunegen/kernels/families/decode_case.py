@@ -1,7 +1,9 @@
 """The decode family's tuning case: a full cache of random tokens (contiguous, or paged in
 shuffled pages), launch, float64 check, SDPA peers for one-token decode on contiguous caches.
 An fp8 cache holds the tokens quantized per (sequence, KV head); the check and the peers use
-the dequantized values."""
+the dequantized values. A Problem with the features of current models runs them as its model
+would (the prefill case's cap, a random sink logit per head), checked with the same window, chunk,
+cap and sinks; SDPA, which takes none of them, times nothing beside it."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import torch
 
 from tunegen.kernels import fp8
 from tunegen.kernels.families.base import Case, Kernel, generator, normal
+from tunegen.kernels.families.prefill_case import SOFTCAP
 from tunegen.kernels.launch_args import DecodeArgs
 from tunegen.kernels.problem import TORCH_DTYPES, Problem
 from tunegen.kernels.reference import attention_reference
@@ -52,6 +55,10 @@ def decode_case(problem: Problem, kernel: Kernel | None, device: torch.device, s
             for cache, tokens in zip((k_cache, v_cache), contiguous, strict=True):
                 cache.view(-1, hkv, d)[slots] = tokens.reshape(-1, hkv, d)
     scale = d**-0.5
+    sinks = normal((hq,), gen, device) if problem.sinks else None
+    softcap = SOFTCAP if problem.softcap else 0.0
+    window = (problem.window_left, problem.window_right)
+    local = {"window_size": window, "attention_chunk": problem.attention_chunk, "softcap": softcap}
 
     def error_of(out: torch.Tensor) -> float:
         """‖out − ref‖/‖ref‖ against float64, one sequence at a time (a whole batch of 32k-token
@@ -67,6 +74,8 @@ def decode_case(problem: Problem, kernel: Kernel | None, device: torch.device, s
                 values[one].transpose(1, 2),
                 causal=problem.causal,
                 scale=scale,
+                sinks=sinks,
+                **local,
             )
             ref = ref.transpose(1, 2)
             diff += float((out[one].double() - ref).square().sum())
@@ -78,7 +87,19 @@ def decode_case(problem: Problem, kernel: Kernel | None, device: torch.device, s
     launch = None
     if kernel is not None:
         named = dict(zip(("k_descale", "v_descale"), descales, strict=False))
-        args = DecodeArgs(q, k_cache, v_cache, seqlens, out, lse, scale, block_table=table, **named)
+        args = DecodeArgs(
+            q,
+            k_cache,
+            v_cache,
+            seqlens,
+            out,
+            lse,
+            scale,
+            block_table=table,
+            **named,
+            softcap=softcap,
+            sinks=sinks,
+        )
         launch = lambda: kernel.launch(args)
 
     def error() -> float:
@@ -87,7 +108,7 @@ def decode_case(problem: Problem, kernel: Kernel | None, device: torch.device, s
         return error_of(out)
 
     peers = {}
-    if device.type == "cuda" and not problem.paged and nq == 1:
+    if device.type == "cuda" and not problem.paged and nq == 1 and not problem.model_features:
         from tunegen.kernels import peers as peer_impls
 
         qt, kt, vt = q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
@@ -97,5 +118,5 @@ def decode_case(problem: Problem, kernel: Kernel | None, device: torch.device, s
     public = None
     if kernel is not None:
         named = dict(zip(("k_descale", "v_descale"), descales, strict=False))
-        public = ((q, k_cache, v_cache, seqlens), {"block_table": table, **named})
+        public = ((q, k_cache, v_cache, seqlens), {"block_table": table, **named, **local, "sinks": sinks})
     return Case(launch=launch, error=error, peers=peers, peer_error=error_of, public=public)

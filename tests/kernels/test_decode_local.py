@@ -1,0 +1,169 @@
+"""Decode over a KV cache with the attention of current models (sliding windows, chunks, logit
+softcap, attention sinks): against float64 for contiguous and paged caches, one query token and
+several, ragged lengths, GQA packed or not, one split or several (sinks join the merge), into
+poisoned outputs; cache pages before a window's first key hold NaN and are never read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import REL_TOL, assert_lse, gathered, make_cache, rel_err
+from tunegen.calls.decode import DecodeCall
+from tunegen.kernels.families import base, decode
+from tunegen.kernels.gpu import gpu_of
+from tunegen.kernels.reference import attention_reference
+
+# (causal, window_size, attention_chunk, softcap, sinks)
+FEATURES = {
+    "window (gpt-oss)": (True, (11, -1), 0, 0.0, True),
+    "window and cap (Gemma 2)": (True, (11, -1), 0, 2.0, False),
+    "chunk (Llama 4)": (True, (-1, -1), 32, 0.0, False),
+    "every feature": (False, (20, 1), 32, 2.0, True),
+}
+VARIANTS = [
+    decode.DecodeVariant(block_n=16, num_splits=1, pack_gqa=True),
+    decode.DecodeVariant(block_n=16, num_splits=3, pack_gqa=False),
+]
+LENGTHS = [0, 5, 40, 77]
+
+
+def _reference(q, k_cache, v_cache, table, lengths, causal, local, sinks):
+    """float64, one sequence at a time over its gathered keys; no key: zeros and the sink."""
+    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    lse = torch.full(
+        (q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=torch.float64, device=q.device
+    )
+    for b, n in enumerate(lengths):
+        if n == 0:
+            if sinks is not None:
+                lse[b] = sinks.double()[:, None]
+            continue
+        keys, values = (gathered(c, table, b, n)[None] for c in (k_cache, v_cache))
+        o, s = attention_reference(
+            q[b].transpose(0, 1)[None], keys, values, causal=causal, scale=0.3, sinks=sinks, **local
+        )
+        out[b], lse[b] = o[0].transpose(0, 1), s[0]
+    return out, lse
+
+
+@pytest.mark.parametrize("name", list(FEATURES))
+@pytest.mark.parametrize("nq", [1, 3])
+@pytest.mark.parametrize("page", [0, 16])
+def test_features_against_float64(device, name, nq, page):
+    causal, window, chunk, softcap, with_sinks = FEATURES[name]
+    dtype = torch.float16
+    gen = torch.Generator().manual_seed(nq * 7 + page + len(name))
+    k_cache, v_cache, table = make_cache(4, 2, 24, LENGTHS, 96, page, dtype, device, gen)
+    q = torch.randn(4, nq, 4, 24, generator=gen).to(device, dtype)
+    sinks = torch.randn(4, generator=gen).to(device) if with_sinks else None
+    seqlens = torch.tensor(LENGTHS, dtype=torch.int32, device=device)
+    local = {"window_size": window, "attention_chunk": chunk, "softcap": softcap}
+    ref, ref_lse = _reference(q, k_cache, v_cache, table, LENGTHS, causal, local, sinks)
+    call = DecodeCall.checked(
+        q,
+        k_cache,
+        v_cache,
+        seqlens,
+        block_table=table,
+        causal=causal,
+        scale=0.3,
+        return_lse=True,
+        sinks=sinks,
+        **local,
+    )
+    for variant in VARIANTS:
+        out, lse = call.outputs()
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        kernel = base.build(decode.FAMILY, variant, call.problem(), gpu_of(q.device))
+        kernel.launch(call.args(out, lse))
+        assert rel_err(out, ref) < REL_TOL[dtype], variant
+        assert_lse(lse, ref_lse, dtype)
+
+
+@pytest.mark.parametrize("page", [0, 16])
+def test_pages_before_the_window_are_never_read(device, page):
+    """One query token at position 95 with a window of 20 keys back: its keys start at 75, so the
+    cache's first 64 slots (whole 16-key pages) hold NaN and must not reach the output, with one
+    split or several, and through the public call."""
+    import tunegen
+
+    dtype = torch.float16
+    gen = torch.Generator().manual_seed(3 + page)
+    k_cache, v_cache, table = make_cache(2, 2, 24, [96, 96], 96, page, dtype, device, gen)
+    q = torch.randn(2, 1, 4, 24, generator=gen).to(device, dtype)
+    ref, _ = _reference(q, k_cache, v_cache, table, [96, 96], True, {"window_size": (20, -1)}, None)
+    for b in range(2):
+        if table is None:
+            k_cache[b, :64], v_cache[b, :64] = float("nan"), float("nan")
+        else:
+            k_cache[table[b, :4].long()], v_cache[table[b, :4].long()] = float("nan"), float("nan")
+    seqlens = torch.tensor([96, 96], dtype=torch.int32, device=device)
+    call = DecodeCall.checked(
+        q, k_cache, v_cache, seqlens, block_table=table, scale=0.3, window_size=(20, -1)
+    )
+    for variant in VARIANTS:
+        out, lse = call.outputs()
+        base.build(decode.FAMILY, variant, call.problem(), gpu_of(q.device)).launch(call.args(out, lse))
+        assert rel_err(out, ref) < REL_TOL[dtype], variant
+    out = tunegen.decode_attention(
+        q, k_cache, v_cache, seqlens, block_table=table, scale=0.3, window_size=(20, -1), strict=True
+    )
+    assert rel_err(out, ref) < REL_TOL[dtype]
+
+
+def test_decode_attention_checks_them_by_name():
+    import tunegen
+
+    q = torch.randn(1, 1, 4, 16)
+    cache = torch.randn(1, 8, 2, 16)
+    seqlens = torch.tensor([4], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"sinks: expected shape \(4,\)"):
+        tunegen.decode_attention(q, cache, cache, seqlens, sinks=torch.zeros(2))
+    with pytest.raises(ValueError, match="window_size: expected a pair of ints"):
+        tunegen.decode_attention(q, cache, cache, seqlens, window_size=5)
+
+
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_kvcache_steps_with_a_window_and_sinks(device, page_size):
+    """gpt-oss's decode through `KVCache.attend`: tokens appended one step at a time, each step's
+    output against float64 over everything cached; a refused call takes no page."""
+    import tunegen
+
+    gen = torch.Generator().manual_seed(21)
+    cache = tunegen.KVCache(2, 48, 2, 16, dtype=torch.float16, device=device, page_size=page_size)
+    sinks = torch.randn(4, generator=gen).to(device)
+    keys, values = [], []
+    for step in range(16):  # then the next token needs a page of its own
+        q, k, v = (torch.randn(2, 1, h, 16, generator=gen).to(device, torch.float16) for h in (4, 2, 2))
+        keys.append(k)
+        values.append(v)
+        out = cache.attend(0, q, k, v, window_size=(6, -1), sinks=sinks)
+        cache.advance(1)
+        kk, vv = (torch.cat(t, dim=1).transpose(1, 2) for t in (keys, values))
+        ref, _ = attention_reference(
+            q.transpose(1, 2), kk, vv, causal=True, scale=16**-0.5, window_size=(6, -1), sinks=sinks
+        )
+        assert rel_err(out, ref.transpose(1, 2)) < REL_TOL[torch.float16], step
+    before = (cache.lengths(), cache.memory())
+    with pytest.raises(ValueError, match="window_size: expected a pair of ints"):
+        cache.attend(0, q, k, v, window_size=6)
+    assert (cache.lengths(), cache.memory()) == before
+
+
+def test_the_tuning_case_runs_and_checks_them(device):
+    """The tuner's case for a decode Problem with every feature checks against float64 with them
+    (a kernel built without them fails it) and times no SDPA peer."""
+    from tunegen.kernels.problem import Problem
+
+    features = {"window_left": 9, "attention_chunk": 32, "softcap": True, "sinks": True}
+    problem = Problem("decode", "float16", 16, True, 4, 2, 2, 2, 64, return_lse=True, **features)
+    plain = Problem("decode", "float16", 16, True, 4, 2, 2, 2, 64, return_lse=True)
+    gpu = gpu_of(torch.device(device))
+    for built, good in ((problem, True), (plain, False)):
+        kernel = base.build(decode.FAMILY, decode.FAMILY.default_variant(built, gpu), built, gpu)
+        case = decode.FAMILY.case(problem, kernel, torch.device(device), seed=4)
+        case.launch()
+        assert (case.error() < REL_TOL[torch.float16]) == good
+        assert case.peers == {}
