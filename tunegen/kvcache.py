@@ -12,7 +12,7 @@ import dataclasses
 import torch
 
 from tunegen import checks
-from tunegen.calls.decode import check_decode
+from tunegen.calls.decode_checks import check_decode
 from tunegen.calls.local import check_local
 from tunegen.decode import decode_attention
 from tunegen.kernels import fp8
@@ -169,7 +169,8 @@ class KVCache:
             "sinks": sinks,
         }
         checks.tensor_arg("q", q, 4, "(batch, nq, heads, head_dim)")
-        check_local(q, **local, heads_dim=2)
+        checks.check_scale(scale, q.shape[-1])
+        check_local(q, **local, heads_dim=2, differentiable=False)
         descales = {}
         if self.fp8:
             descales = {"k_descale": self.k_descale[layer], "v_descale": self.v_descale[layer]}

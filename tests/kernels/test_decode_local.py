@@ -25,7 +25,7 @@ VARIANTS = [
     decode.DecodeVariant(block_n=16, num_splits=1, pack_gqa=True),
     decode.DecodeVariant(block_n=16, num_splits=3, pack_gqa=False),
 ]
-LENGTHS = [0, 5, 40, 77]
+LENGTHS = [0, 2, 40, 77]  # 2: fewer keys than three query tokens
 
 
 def _reference(q, k_cache, v_cache, table, lengths, causal, local, sinks):
@@ -167,3 +167,79 @@ def test_the_tuning_case_runs_and_checks_them(device):
         case.launch()
         assert (case.error() < REL_TOL[torch.float16]) == good
         assert case.peers == {}
+
+
+def test_appended_tokens_with_several_queries(device):
+    """Three new tokens appended and attended by three query tokens under every feature: the
+    window's first key counts the new tokens."""
+    causal, window, chunk, softcap, _ = FEATURES["every feature"]
+    dtype = torch.float16
+    gen = torch.Generator().manual_seed(41)
+    lengths = [0, 30, 61]
+    k_cache, v_cache, table = make_cache(3, 2, 24, lengths, 64, 16, dtype, device, gen)
+    q = torch.randn(3, 3, 4, 24, generator=gen).to(device, dtype)
+    k, v = (torch.randn(3, 3, 2, 24, generator=gen).to(device, dtype) for _ in range(2))
+    sinks = torch.randn(4, generator=gen).to(device)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    local = {"window_size": window, "attention_chunk": chunk, "softcap": softcap}
+    for variant in VARIANTS:
+        kc, vc = k_cache.clone(), v_cache.clone()
+        call = DecodeCall.checked(
+            q, kc, vc, seqlens, k=k, v=v, block_table=table, causal=causal, scale=0.3, sinks=sinks, **local
+        )
+        out, lse = call.outputs()
+        base.build(decode.FAMILY, variant, call.problem(), gpu_of(q.device)).launch(call.args(out, lse))
+        ref, _ = _reference(q, kc, vc, table, [n + 3 for n in lengths], causal, local, sinks)
+        assert rel_err(out, ref) < REL_TOL[dtype], variant
+
+
+def test_pages_freed_before_a_window_or_chunk_serve_every_path_alike(device):
+    """A paged sequence whose block table names no page before its window's (or chunk's) first
+    key: the kernel, the PyTorch path and check=True all take it, with float64's answer."""
+    import tunegen
+
+    dtype = torch.float16
+    gen = torch.Generator().manual_seed(43)
+    k_cache, v_cache, _ = make_cache(1, 2, 24, [90], 96, 16, dtype, device, gen)
+    table = torch.tensor([[-1, -1, -1, -1, 4, 5]], dtype=torch.int32, device=device)
+    q = torch.randn(1, 1, 4, 24, generator=gen).to(device, dtype)
+    seqlens = torch.tensor([90], dtype=torch.int32, device=device)
+    for local in ({"window_size": (20, -1)}, {"attention_chunk": 64}):
+        # Positions 64 to 89 (pages 4 and 5): the same mask over them, a chunk starting at 64.
+        keys, values = (
+            c[table[0, 4:].long()].reshape(1, 32, 2, 24)[:, :26].transpose(1, 2) for c in (k_cache, v_cache)
+        )
+        ref, _ = attention_reference(q.transpose(1, 2), keys, values, causal=True, scale=0.3, **local)
+        call = DecodeCall.checked(q, k_cache, v_cache, seqlens, block_table=table, scale=0.3, **local)
+        for variant in VARIANTS:
+            out, lse = call.outputs()
+            base.build(decode.FAMILY, variant, call.problem(), gpu_of(q.device)).launch(call.args(out, lse))
+            assert rel_err(out, ref.transpose(1, 2)) < REL_TOL[dtype], (local, variant)
+        fallback, _ = call.fallback()
+        assert rel_err(fallback, ref.transpose(1, 2)) < REL_TOL[dtype], local
+        tunegen.decode_attention(
+            q, k_cache, v_cache, seqlens, block_table=table, scale=0.3, check=True, **local
+        )
+
+
+def test_what_decode_refuses_and_takes():
+    """Values that only look like defaults are refused on every path; sinks that autograd records
+    are taken (decode has no backward); a refused KVCache call (a bad scale) takes no page."""
+    import tunegen
+
+    q = torch.randn(1, 1, 4, 16)
+    cache = torch.randn(1, 8, 2, 16)
+    seqlens = torch.tensor([4], dtype=torch.int32)
+    tunegen.decode_attention(q, cache, cache, seqlens)  # a plain call first
+    with pytest.raises(ValueError, match="attention_chunk: expected an int >= 0"):
+        tunegen.decode_attention(q, cache, cache, seqlens, attention_chunk=0.0)
+    with pytest.raises(ValueError, match="softcap: expected a finite float >= 0"):
+        tunegen.decode_attention(q, cache, cache, seqlens, softcap=False)
+    sinks = torch.zeros(4, requires_grad=True)
+    tunegen.decode_attention(q, cache, cache, seqlens, sinks=sinks)
+    paged = tunegen.KVCache(1, 32, 2, 16, dtype=torch.float16, device="cpu", page_size=16)
+    before = (paged.lengths(), paged.memory())
+    k = torch.randn(1, 1, 2, 16).half()
+    with pytest.raises(ValueError, match="scale"):
+        paged.attend(0, q.half(), k, k, scale=-1.0)
+    assert (paged.lengths(), paged.memory()) == before

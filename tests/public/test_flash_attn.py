@@ -10,7 +10,6 @@ import inspect
 import pytest
 import torch
 
-import tunegen
 import tunegen.flash_attn as fa2
 import tunegen.flash_attn_interface as fa3
 from helpers import (
@@ -303,26 +302,32 @@ def test_windows_caps_and_chunks_run_forward_as_flashattention_reads_them(device
         fa.flash_attn_func(q, k, v, softmax_scale=0.3, **kwargs)
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize(
-    ("interface", "kwargs", "local"),
+    ("interface", "kwargs"),
     [
-        ("fa2", {"window_size": (5, 3), "softcap": 2.0}, {"window_size": (5, -1), "softcap": 2.0}),
-        ("fa3", {"window_size": (-4, -1), "attention_chunk": 8}, {"attention_chunk": 8}),
+        ("fa2", {"window_size": (5, 3), "softcap": 2.0}),
+        ("fa3", {"window_size": (-4, -1), "attention_chunk": 8}),
     ],
 )
-def test_the_cache_functions_run_windows_caps_and_chunks(device, interface, kwargs, local):
-    """As FlashAttention reads them (causal drops the right side, a negative side is unbounded):
-    the same bits as `tunegen.decode_attention` given them directly, and float64's answer."""
+def test_the_cache_functions_run_windows_caps_and_chunks(device, interface, kwargs, causal):
+    """As FlashAttention reads them (causal drops the right side, a negative side is unbounded),
+    three query tokens over caches of 30 and 12 tokens: float64's answer."""
     gen = torch.Generator().manual_seed(31)
-    q = torch.randn(2, 1, 4, 16, generator=gen).to(device, torch.float16)
+    q = torch.randn(2, 3, 4, 16, generator=gen).to(device, torch.float16)
     k_cache, v_cache = (torch.randn(2, 40, 2, 16, generator=gen).to(device, torch.float16) for _ in range(2))
     seqlens = torch.tensor([30, 12], dtype=torch.int32, device=device)
     fa = fa2 if interface == "fa2" else fa3
-    out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True, **kwargs)
-    assert torch.equal(out, tunegen.decode_attention(q, k_cache, v_cache, seqlens, causal=True, **local))
+    out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=causal, **kwargs)
+    left, right = kwargs["window_size"]
+    local = {
+        "window_size": (max(left, -1), -1 if causal else right),
+        "attention_chunk": kwargs.get("attention_chunk", 0),
+        "softcap": kwargs.get("softcap", 0.0),
+    }
     for b, n in enumerate((30, 12)):
         kk, vv = (c[b : b + 1, :n].transpose(1, 2) for c in (k_cache, v_cache))
-        ref, _ = attention_reference(q[b : b + 1].transpose(1, 2), kk, vv, causal=True, scale=0.25, **local)
+        ref, _ = attention_reference(q[b : b + 1].transpose(1, 2), kk, vv, causal=causal, scale=0.25, **local)
         assert rel_err(out[b : b + 1], ref.transpose(1, 2)) < REL_TOL[torch.float16]
 
 

@@ -53,6 +53,18 @@ class Local:
             chunk = self.attention_chunk
         return causal, Local(left, right, chunk, self.softcap, self.sinks)
 
+    def first_key(self, seqlen_k: int, seqlen_q: int) -> int:
+        """The first key some row sees of a sequence of `seqlen_k` keys and `seqlen_q` queries
+        (bottom-right aligned; `seqlen_k` where none does): decode reads from there on, so the
+        pages before it may be free."""
+        p_lo = seqlen_k - seqlen_q
+        first = 0
+        if self.window_left >= 0:
+            first = max(first, p_lo - self.window_left)
+        if self.attention_chunk > 0:
+            first = max(first, max(p_lo, 0) // self.attention_chunk * self.attention_chunk)
+        return min(first, seqlen_k)
+
     def key(self) -> dict[str, object]:
         """The Problem's fields for these (canonical) features."""
         return {
@@ -74,10 +86,12 @@ def check_local(
     softcap: object,
     sinks: object,
     heads_dim: int = 1,
+    differentiable: bool = True,
 ) -> Local:
     """The call's features, checked against q, whose dim `heads_dim` holds the query heads (1 for
     prefill calls, dense or packed; 2 for decode's (batch, nq, heads, head_dim)); each bad value
-    gets a ValueError that names it. `sinks` is taken as a float32 copy."""
+    gets a ValueError that names it. `sinks` is taken as a float32 copy, detached; where the call
+    is `differentiable`, sinks that autograd records are refused (no backward renders them)."""
     if (
         not isinstance(window_size, tuple | list)
         or len(window_size) != 2
@@ -106,7 +120,7 @@ def check_local(
             )
         if sinks.device != q.device:
             raise ValueError(f"sinks: expected device {q.device} like q, got {sinks.device}")
-        if sinks.requires_grad and torch.is_grad_enabled():
+        if differentiable and sinks.requires_grad and torch.is_grad_enabled():
             raise ValueError("sinks: the backward renders no sinks in this release; pass them detached")
         sinks = sinks.detach().to(torch.float32).contiguous()
     return Local(window_size[0], window_size[1], attention_chunk, float(softcap), sinks)
@@ -117,11 +131,12 @@ def local_arguments(
 ) -> list[str]:
     """The names of the features a public call passed off their defaults, before any check (a
     value of the wrong type counts as passed: `check_local` names it)."""
-    default_window = isinstance(window_size, tuple | list) and list(window_size) == [-1, -1]
+    default_window = isinstance(window_size, tuple | list) and [type(w) for w in window_size] == [int, int]
+    default_window = default_window and list(window_size) == [-1, -1]
     passed = {
         "window_size": not default_window,
-        "attention_chunk": attention_chunk != 0,
-        "softcap": softcap != 0,
+        "attention_chunk": not (type(attention_chunk) is int and attention_chunk == 0),
+        "softcap": not (type(softcap) in (int, float) and softcap == 0),
         "sinks": sinks is not None,
     }
     return [name for name, on in passed.items() if on]
