@@ -11,7 +11,7 @@ import torch
 from tunegen import eager, flash_provider, fp8_attention, ops
 from tunegen.backends import capturing, wants_grad
 from tunegen.backward import AttentionFunction
-from tunegen.calls.local import local_arguments, refuse_grad
+from tunegen.calls.local import NO_WINDOW, local_arguments, refuse_grad
 from tunegen.calls.prefill import PrefillCall
 from tunegen.kernels import dispatch, launcher
 from tunegen.kernels.families import get
@@ -139,7 +139,7 @@ def attention(
     q_descale: torch.Tensor | None = None,
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
-    window_size: tuple[int, int] = (-1, -1),
+    window_size: tuple[int, int] = NO_WINDOW,
     attention_chunk: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
@@ -204,6 +204,7 @@ def attention(
         if fast is not None:
             return fast(q, k, v, scale)
     keep_lse = bool(return_lse) or grad
+    features = {"window_size": window_size, "attention_chunk": attention_chunk, "softcap": softcap}
     call = PrefillCall.dense(
         q,
         k,
@@ -213,10 +214,8 @@ def attention(
         return_lse=keep_lse,
         strict=strict,
         deterministic=deterministic,
-        window_size=window_size,
-        attention_chunk=attention_chunk,
-        softcap=softcap,
         sinks=sinks,
+        **features,
     )
     refuse_grad(local, grad and call.local.any)
     return _serve(call, bool(return_lse), grad, key)
@@ -236,7 +235,7 @@ def attention_varlen(
     return_lse: bool = False,
     strict: bool | None = None,
     deterministic: bool = False,
-    window_size: tuple[int, int] = (-1, -1),
+    window_size: tuple[int, int] = NO_WINDOW,
     attention_chunk: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
@@ -252,6 +251,7 @@ def attention_varlen(
     """
     grad = wants_grad(q, k, v)
     local = local_arguments(window_size, attention_chunk, softcap, sinks)
+    features = {"window_size": window_size, "attention_chunk": attention_chunk, "softcap": softcap}
     compiling = torch.compiler.is_compiling()
     sizes = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     call = PrefillCall.packed(
@@ -265,10 +265,8 @@ def attention_varlen(
         strict=strict,
         read_lengths=not (compiling or capturing(q)),
         deterministic=deterministic,
-        window_size=window_size,
-        attention_chunk=attention_chunk,
-        softcap=softcap,
         sinks=sinks,
+        **features,
     )
     refuse_grad(local, grad and call.local.any)
     return _serve(call, bool(return_lse), grad, None)

@@ -10,7 +10,7 @@ import torch
 from tunegen import checks
 from tunegen.backends import capturing
 from tunegen.calls.decode import DecodeCall, unit_descales
-from tunegen.calls.local import local_arguments
+from tunegen.calls.local import NO_WINDOW, local_arguments
 from tunegen.kernels import dispatch, launcher
 from tunegen.kernels.gpu import gpu_of
 from tunegen.kernels.launch_args import DecodeArgs
@@ -41,7 +41,7 @@ def decode_attention(
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
     check: bool | None = None,
-    window_size: tuple[int, int] = (-1, -1),
+    window_size: tuple[int, int] = NO_WINDOW,
     attention_chunk: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,

@@ -13,7 +13,7 @@ import torch
 
 from tunegen import checks
 from tunegen.calls.decode_checks import check_decode
-from tunegen.calls.local import check_local
+from tunegen.calls.local import NO_WINDOW, check_local
 from tunegen.decode import decode_attention
 from tunegen.kernels import fp8
 from tunegen.kernels.problem import DTYPE_NAMES
@@ -150,7 +150,7 @@ class KVCache:
         *,
         causal: bool = True,
         scale: float | None = None,
-        window_size: tuple[int, int] = (-1, -1),
+        window_size: tuple[int, int] = NO_WINDOW,
         attention_chunk: int = 0,
         softcap: float = 0.0,
         sinks: torch.Tensor | None = None,

@@ -77,6 +77,7 @@ class Local:
 
 
 NONE = Local()
+NO_WINDOW = (-1, -1)  # the public calls' default window: a call that leaves it passes this object
 
 
 def check_local(
@@ -130,7 +131,17 @@ def local_arguments(
     window_size: object, attention_chunk: object, softcap: object, sinks: object
 ) -> list[str]:
     """The names of the features a public call passed off their defaults, before any check (a
-    value of the wrong type counts as passed: `check_local` names it)."""
+    value of the wrong type counts as passed: `check_local` names it). A call that leaves them all
+    (the signature's own default objects) costs a few identity tests: it is on the fast path."""
+    if (
+        window_size is NO_WINDOW
+        and sinks is None
+        and type(attention_chunk) is int
+        and not attention_chunk
+        and type(softcap) is float
+        and not softcap
+    ):
+        return []
     default_window = isinstance(window_size, tuple | list) and [type(w) for w in window_size] == [int, int]
     default_window = default_window and list(window_size) == [-1, -1]
     passed = {
