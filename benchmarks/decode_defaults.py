@@ -9,6 +9,10 @@ Variant's output, poisoned first, is checked against SDPA's float32 math on the 
 beside the best Variant's.
 
     python benchmarks/decode_defaults.py --batches 1,16,64 --cache-lengths 4096,32768 -o d.json
+
+With `--window LEFT`, every Problem takes a sliding window of LEFT keys before the query's (issue
+32: decode reads only the window's pages), its reference the window's keys only, and the splits
+swept reach four times the default's.
 """
 
 from __future__ import annotations
@@ -41,7 +45,9 @@ def ints(text: str) -> list[int]:
 def candidates(problem, gpu) -> list[decode.DecodeVariant]:
     """The default, then every tile with the default's split count, half and double it, and none."""
     default = decode.FAMILY.default_variant(problem, gpu)
-    splits = sorted({1, max(1, default.num_splits // 2), default.num_splits, min(64, default.num_splits * 2)})
+    wider = (2, 4) if problem.local else (2,)
+    n = default.num_splits
+    splits = sorted({1, max(1, n // 2), n, *(min(64, n * w) for w in wider)})
     out = [default]
     for (block_n, warps, stages), n in itertools.product(TILES, splits):
         variant = dataclasses.replace(
@@ -65,10 +71,11 @@ def inputs(problem, gen):
     keys, values = (
         torch.randn(b, n, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2)
     )
+    first = max(0, n - 1 - problem.window_left) if problem.window_left >= 0 else 0  # the window's
     ref = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(1, 2).float(),
-        keys.transpose(1, 2).float(),
-        values.transpose(1, 2).float(),
+        keys[:, first:].transpose(1, 2).float(),
+        values[:, first:].transpose(1, 2).float(),
         enable_gqa=True,
     ).transpose(1, 2)
     seqlens = torch.full((b,), n, dtype=torch.int32, device="cuda")
@@ -91,6 +98,7 @@ def main() -> None:
     ap.add_argument("--batches", type=ints, default=[1, 16, 64])
     ap.add_argument("--cache-lengths", type=ints, default=[4096, 32768])
     ap.add_argument("--page-sizes", type=ints, default=[0, 64])
+    ap.add_argument("--window", type=int, default=-1, help="a window of this many keys before the query's")
     ap.add_argument("-o", "--output", default=None)
     args = ap.parse_args()
     gpu = cuda_gpu(0)
@@ -102,6 +110,7 @@ def main() -> None:
     }
     rows = []
     for problem in decode_suite(args.batches, args.cache_lengths, page_sizes=args.page_sizes):
+        problem = dataclasses.replace(problem, window_left=args.window)
         unit, work = decode.FAMILY.measure(problem)
         q, keys, values, seqlens, table, ref = inputs(problem, torch.Generator("cuda").manual_seed(0))
         tensors = (q, keys, values, seqlens)
@@ -134,7 +143,8 @@ def main() -> None:
         knobs = {k: best["variant"][k] for k in ("block_n", "num_warps", "num_stages", "num_splits")}
         was = default["gbps"] if default else float("nan")
         print(
-            f"B={problem.batch:3} cache={problem.seqlen_k:6} page={problem.page_size:3}  "
+            f"B={problem.batch:3} cache={problem.seqlen_k:6} page={problem.page_size:3} "
+            f"window={args.window}  "
             f"default {was:7.0f} GB/s  best {best['gbps']:7.0f} GB/s  {knobs}",
             flush=True,
         )

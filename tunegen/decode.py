@@ -73,13 +73,13 @@ def decode_attention(
     at position cache_seqlens + new_tokens - nq + i): the splits of a window's or chunk's cache
     start at its first key, so pages before it are never read.
     """
-    key = fast = None
-    if not local_arguments(window_size, attention_chunk, softcap, sinks):  # no fast path serves them
-        key = _launch_key(q, k_cache, v_cache, cache_seqlens, block_table, k, v, k_descale, v_descale)
-        key = None if key is None else (*key, bool(causal), bool(return_lse))
-        fast = None if key is None else dispatch.fast_calls.get(key)
+    key = _launch_key(q, k_cache, v_cache, cache_seqlens, block_table, k, v, k_descale, v_descale)
+    if key is not None and local_arguments(window_size, attention_chunk, softcap, sinks):
+        key = _local_key(key, window_size, attention_chunk, softcap, sinks)
+    key = None if key is None else (*key, bool(causal), bool(return_lse))
+    fast = None if key is None else dispatch.fast_calls.get(key)
     if fast is not None and not checking(check):
-        return fast(q, k_cache, v_cache, cache_seqlens, block_table, k, v, k_descale, v_descale, scale)
+        return fast(q, k_cache, v_cache, cache_seqlens, block_table, k, v, k_descale, v_descale, scale, sinks)
     call = DecodeCall.checked(
         q,
         k_cache,
@@ -126,16 +126,34 @@ def _launch_key(q, k_cache, v_cache, cache_seqlens, block_table, k, v, k_descale
         return None
 
 
+def _local_key(key: tuple, window_size, attention_chunk, softcap, sinks) -> tuple | None:
+    """A launch key with the features of current models: their values as passed (exact types, so
+    that values the checks passed once pass again) and the sinks by layout; None where they are of
+    a kind no key holds (the checks then name what is wrong)."""
+    window_ok = type(window_size) is tuple and len(window_size) == 2
+    if not window_ok or any(type(w) is not int for w in window_size):
+        return None
+    if type(attention_chunk) is not int or type(softcap) not in (int, float):
+        return None
+    try:
+        layout = None if sinks is None else launcher.key_of(sinks)
+    except (AttributeError, TypeError):
+        return None
+    return (*key, window_size, attention_chunk, softcap, layout)
+
+
 def _fast(bound: Callable[[DecodeArgs], None], call: DecodeCall) -> Callable[..., object]:
     """The whole of every later call with `call`'s launch key (see tunegen.kernels.launcher):
-    outputs, the descales None stands for, the bound launch."""
+    outputs, the descales None stands for, the cap and the sinks (as float32, as the checks take
+    them), the bound launch."""
     q = call.q
+    cap = call.local.softcap
     ones = unit_descales(q.shape[0], call.k_cache.shape[2], q.device) if call.descales is not None else None
     fp8_cache, return_lse, head_dim = ones is not None, call.return_lse, q.shape[-1]
     check_scale, empty_like, empty, f32 = checks.check_scale, torch.empty_like, torch.empty, torch.float32
     default_scale = check_scale(None, head_dim)
 
-    def fast(q, k_cache, v_cache, cache_seqlens, block_table, k, v, k_descale, v_descale, scale):
+    def fast(q, k_cache, v_cache, cache_seqlens, block_table, k, v, k_descale, v_descale, scale, sinks):
         out = empty_like(q)
         lse = empty((q.shape[0], q.shape[2], q.shape[1]), device=q.device, dtype=f32) if return_lse else None
         args = DecodeArgs(
@@ -153,6 +171,10 @@ def _fast(bound: Callable[[DecodeArgs], None], call: DecodeCall) -> Callable[...
         if fp8_cache:
             args.k_descale = ones if k_descale is None else k_descale
             args.v_descale = ones if v_descale is None else v_descale
+        if sinks is not None:
+            args.softcap, args.sinks = cap, sinks.detach().to(f32).contiguous()
+        elif cap:
+            args.softcap = cap
         bound(args)
         return (out, lse) if return_lse else out
 

@@ -212,9 +212,10 @@ def test_fp8_variants_compile_for_hopper_with_e4m3_tensor_cores():
 
 
 def test_the_features_of_current_models_compile_without_spilling():
-    """FA2's prefill loop with a window, chunks, the cap and sinks (gpt-oss's, Gemma 2's and Llama
-    4's forms, and all four at once, dense and packed), and decode with them (contiguous and paged
-    caches), compile for sm_90 and sm_80 as the defaults do."""
+    """The prefill defaults with a window, chunks, the cap and sinks (gpt-oss's, Gemma 2's and Llama
+    4's forms, and all four at once, dense and packed: the Hopper schedule on sm_90 where it runs,
+    FA2's loop elsewhere), and decode with them (contiguous and paged caches), compile for sm_90
+    and sm_80 as the defaults do."""
     features = [
         {"window_left": 127, "sinks": True},
         {"window_left": 4095, "softcap": True},
@@ -240,6 +241,8 @@ def test_the_features_of_current_models_compile_without_spilling():
                 **changes,
             )
             jobs.append(_job(gpu, problem))
+        gemma2 = {"window_left": 4095, "softcap": True, "sinks": True}
+        jobs.append(_job(gpu, Problem("prefill", "bfloat16", 128, True, 32, 16, 1, 16384, 16384, **gemma2)))
     for gpu in TARGETS.values():
         for changes, paged in itertools.product(features, (False, True)):
             problem = Problem(

@@ -1,15 +1,18 @@
 """Decode over a KV cache with the attention of current models (sliding windows, chunks, logit
 softcap, attention sinks): against float64 for contiguous and paged caches, one query token and
 several, ragged lengths, GQA packed or not, one split or several (sinks join the merge), into
-poisoned outputs; cache pages before a window's first key hold NaN and are never read."""
+poisoned outputs; cache pages before a window's first key hold NaN and are never read; repeat
+calls take the fast path."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from helpers import REL_TOL, assert_lse, gathered, make_cache, rel_err
+import tunegen
+from helpers import NEEDS_GPU, REL_TOL, assert_lse, gathered, make_cache, rel_err
 from tunegen.calls.decode import DecodeCall
+from tunegen.kernels import dispatch
 from tunegen.kernels.families import base, decode
 from tunegen.kernels.gpu import gpu_of
 from tunegen.kernels.reference import attention_reference
@@ -243,3 +246,41 @@ def test_what_decode_refuses_and_takes():
     with pytest.raises(ValueError, match="scale"):
         paged.attend(0, q.half(), k, k, scale=-1.0)
     assert (paged.lengths(), paged.memory()) == before
+
+
+@pytest.mark.gpu
+@NEEDS_GPU
+@pytest.mark.parametrize("page", [0, 16])
+def test_repeat_calls_with_the_features_take_the_fast_path(page):
+    """A call with a window, the cap and sinks binds its launch once and repeats it without a
+    check or a device wait, as a plain call does; new sinks values are read per call, and another
+    window or cap is another launch, not the first one's."""
+    gen = torch.Generator().manual_seed(page)
+    q = torch.randn(3, 1, 4, 64, generator=gen).to("cuda", torch.float16)
+    k_cache, v_cache, table = make_cache(3, 2, 64, [5, 60, 96], 96, page, torch.float16, "cuda", gen)
+    lengths = torch.tensor([5, 60, 96], dtype=torch.int32, device="cuda")
+    sinks = torch.randn(4, generator=gen).to("cuda")
+    features = {"window_size": (20, -1), "softcap": 2.0, "block_table": table, "scale": 0.3}
+
+    def checked(**changes):
+        args = {**features, "sinks": sinks, **changes}
+        return tunegen.decode_attention(q, k_cache, v_cache, lengths, check=True, **args)
+
+    dispatch.forget()
+    first = tunegen.decode_attention(q, k_cache, v_cache, lengths, sinks=sinks, **features)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = tunegen.decode_attention(q, k_cache, v_cache, lengths, sinks=sinks, **features)
+        moved = tunegen.decode_attention(q, k_cache, v_cache, lengths, sinks=sinks + 1.0, **features)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(dispatch.fast_calls) == 1
+    assert torch.equal(first, again) and torch.equal(first, checked())
+    assert torch.equal(moved, checked(sinks=sinks + 1.0)) and not torch.equal(moved, first)
+    for changes in ({"window_size": (30, -1)}, {"softcap": 3.0}, {"sinks": None}):
+        out = tunegen.decode_attention(
+            q, k_cache, v_cache, lengths, **{**features, "sinks": sinks, **changes}
+        )
+        assert torch.equal(out, checked(**changes))
+    assert len(dispatch.fast_calls) == 4, "each other window, cap or sinks is a launch of its own"

@@ -125,16 +125,11 @@ def test_blocks_no_row_sees_are_not_read(device, causal, window, chunk, unseen):
     assert rel_err(out, ref) < REL_TOL[dtype]
 
 
-def test_the_hopper_schedule_and_fp8_refuse_the_features_by_name():
-    problem = Problem("prefill", "bfloat16", 128, True, 16, 4, 2, 4096, 4096, window_left=4095)
-    ws = prefill.PrefillVariant(schedule="ws", block_m=64, block_n=128, consumers=2, overlap=True)
-    with pytest.raises(ValueError, match=r"'ws' renders no \['window_left'\] in this release \('fa2' runs"):
-        prefill.FAMILY.check_variant(ws, problem, H100)
-    assert prefill.FAMILY.default_variant(problem, H100).schedule == "fa2"
-    assert "ws" not in prefill.FAMILY.search_space(problem, H100)["schedule"]
-    fp8 = dataclasses.replace(problem, fp8=True)
+def test_fp8_refuses_the_features_by_name():
+    """The Hopper schedule renders them too (test_prefill_ws_local.py); FP8 prefill does not."""
+    problem = Problem("prefill", "bfloat16", 128, True, 16, 4, 2, 4096, 4096, window_left=4095, fp8=True)
     with pytest.raises(ValueError, match=r"fp8 prefill renders no \['window_left'\]"):
-        prefill.FAMILY.check_variant(prefill.fa2_default(fp8, H100), fp8, H100)
+        prefill.FAMILY.check_variant(prefill.fa2_default(problem, H100), problem, H100)
 
 
 def test_the_tuning_case_runs_and_checks_them(device):

@@ -81,23 +81,41 @@ def test_problem_text_names_the_features():
     assert "window" not in problem_text(PLAIN.as_dict())
 
 
-@pytest.mark.parametrize("family", ["backward"])
-def test_no_family_builds_a_kernel_that_would_ignore_them(family):
-    problem = dataclasses.replace(GPT_OSS, family=family, seqlen_q=1 if family == "decode" else 4096)
-    fam = get(family)
-    variant = fam.default_variant(dataclasses.replace(problem, window_left=-1, sinks=False), H100)
-    with pytest.raises(ValueError, match=rf"the {family} kernels do not render \['sinks', 'window_left'\]"):
-        base.build(fam, variant, problem, H100)
+def test_no_family_builds_a_kernel_that_would_ignore_them():
+    """A family whose templates render none of them (as the backward's did before its loops rendered
+    them all) refuses to build a kernel for them rather than one that would ignore them."""
+
+    class Blind(type(get("backward"))):
+        model_features = frozenset()
+
+    problem = dataclasses.replace(GPT_OSS, family="backward")
+    variant = Blind().default_variant(dataclasses.replace(problem, window_left=-1, sinks=False), H100)
+    with pytest.raises(ValueError, match=r"the backward kernels do not render \['sinks', 'window_left'\]"):
+        base.build(Blind(), variant, problem, H100)
+    assert get("backward").model_features == set(MODEL_FEATURES)
 
 
-def test_prefill_renders_them_on_flashattention_2s_loop_only():
-    """The prefill family renders every feature (`Family.model_features`) on its FA2 loop; the Hopper
-    schedule refuses them by name, so that the plain Problem's Variant is never built for them."""
+def test_prefill_renders_them_on_both_schedules():
+    """The prefill family renders every feature (`Family.model_features`), on the Hopper schedule
+    too, where a window masks in a branch of its one loop: the plain Problem's Variant without that
+    branch is refused by name, never built to ignore the window."""
     fam = get("prefill")
     assert fam.model_features == set(MODEL_FEATURES)
-    ws = fam.default_variant(dataclasses.replace(GPT_OSS, window_left=-1, sinks=False), H100)
-    assert ws.schedule == "ws"
-    with pytest.raises(ValueError, match=r"'ws' renders no \['sinks', 'window_left'\] in this release"):
-        base.build(fam, ws, GPT_OSS, H100)
-    assert fam.default_variant(GPT_OSS, H100).schedule == "fa2"
+    plain = fam.default_variant(dataclasses.replace(GPT_OSS, window_left=-1, sinks=False), H100)
+    assert plain.schedule == "ws"
+    with pytest.raises(ValueError, match=r"variant.mask_branch: a window or chunk masks key blocks"):
+        base.build(fam, plain.replace(mask_branch=False), GPT_OSS, H100)
+    assert fam.default_variant(GPT_OSS, H100).schedule == "ws"
     assert get("decode").model_features == set(MODEL_FEATURES)
+
+
+def test_fp8_prefill_renders_none_of_them_and_an_fp8_cache_all():
+    """The tuner skips what `unrendered` names (no Variant of FP8 prefill takes a window), and an
+    FP8 cache decodes with every feature."""
+    fp8 = dataclasses.replace(GPT_OSS, fp8=True)
+    assert base.unrendered(get("prefill"), fp8) == (
+        "the prefill kernels do not render ['sinks', 'window_left'] for FP8 in this release"
+    )
+    assert base.unrendered(get("prefill"), GPT_OSS) is None
+    cache = dataclasses.replace(GPT_OSS, family="decode", seqlen_q=1, fp8=True)
+    assert base.unrendered(get("decode"), cache) is None

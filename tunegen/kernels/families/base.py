@@ -51,6 +51,21 @@ def normal(
     return torch.randn(shape, generator=gen, device=device, dtype=dtype)
 
 
+SOFTCAP = 50.0  # the cap a softcap Problem is tuned with (Gemma 2's on attention scores)
+
+
+def case_features(problem: Problem, gen: torch.Generator | None, device: torch.device) -> dict[str, Any]:
+    """A tuning case's features of current models as the public calls and the float64 references
+    take them: `problem`'s window and chunk, the cap at SOFTCAP, and sink logits drawn by `gen`
+    (one per query head; None without sinks)."""
+    return {
+        "window_size": (problem.window_left, problem.window_right),
+        "attention_chunk": problem.attention_chunk,
+        "softcap": SOFTCAP if problem.softcap else 0.0,
+        "sinks": normal((problem.num_heads_q,), gen, device) if problem.sinks else None,
+    }
+
+
 @dataclasses.dataclass(frozen=True)
 class Kernel:
     """A Variant rendered for one Problem's features and imported: `launch` runs it; `bind` takes
@@ -72,8 +87,10 @@ class Family(Protocol):
     # Knobs that matter only for some values of another knob: knob -> (that knob, those values).
     # Elsewhere the knob keeps its default and the tuner does not search it.
     conditions: ClassVar[dict[str, tuple[str, tuple]]]
-    # The features of current models (`Problem.model_features`' names) its templates render.
+    # The features of current models (`Problem.model_features`' names) its templates render, and
+    # those they render for FP8 Problems.
     model_features: ClassVar[frozenset[str]]
+    fp8_model_features: ClassVar[frozenset[str]]
 
     def features(self, problem: Problem, gpu: Gpu) -> dict[str, Any]:
         """The Problem's features the template renders away, for this Gpu."""
@@ -159,16 +176,26 @@ def grid(family: Family, space: dict[str, list]) -> Iterator[Variant]:
             continue
 
 
+def unrendered(family: Family, problem: Problem) -> str | None:
+    """Why no Variant of `family` runs `problem`: the features of current models it asks for
+    (`Problem.model_features`) that the family's templates do not render (`Family.model_features`,
+    or for FP8 `Family.fp8_model_features`); None where they render them all. `build` refuses such
+    a Problem, and the tuner skips it."""
+    rendered = family.fp8_model_features if problem.fp8 else family.model_features
+    names = sorted(set(problem.model_features) - rendered)
+    if not names:
+        return None
+    fp8 = " for FP8" if problem.fp8 else ""
+    return f"the {family.name} kernels do not render {names}{fp8} in this release"
+
+
 def build(family: Family, variant: Variant, problem: Problem, gpu: Gpu) -> Kernel:
     """Check, render and import one Variant of `family` for `problem` on `gpu`; refuses a Problem
-    with features of current models (`Problem.model_features`) that the family's templates do not
-    render (`Family.model_features`), rather than build a kernel that would ignore them."""
-    unrendered = sorted(set(problem.model_features) - family.model_features)
-    if unrendered:
-        raise ValueError(
-            f"problem: the {family.name} kernels do not render {unrendered} in this release; "
-            "call without them"
-        )
+    with features that the family's templates do not render (`unrendered`), rather than build a
+    kernel that would ignore them."""
+    refused = unrendered(family, problem)
+    if refused:
+        raise ValueError(f"problem: {refused}; call without them")
     family.check_variant(variant, problem, gpu)
     rendered = render(family.template, family.name, variant, family.features(problem, gpu))
     module = load(rendered, interpret=gpu.backend == "interpreter")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+from tunegen.kernels import masks
 from tunegen.kernels.families.operands import block_d, dot_precision
 from tunegen.kernels.gpu import Gpu
 from tunegen.kernels.problem import MODEL_FEATURES, Problem
@@ -52,6 +53,7 @@ def key_tile(page_size: int, usual: int) -> int:
 class DecodeFamily:
     name = "decode"
     model_features: ClassVar[frozenset[str]] = frozenset(MODEL_FEATURES)
+    fp8_model_features: ClassVar[frozenset[str]] = frozenset(MODEL_FEATURES)  # an FP8 cache's too
     template = "attention_decode.py.j2"
     variant_type = DecodeVariant
     conditions: ClassVar[dict[str, tuple[str, tuple]]] = {}
@@ -140,9 +142,18 @@ class DecodeFamily:
         return variant
 
     def measure(self, problem: Problem) -> tuple[str, float]:
-        """Bytes of K and V read: each cached token's keys and values once."""
+        """Bytes of K and V read: the keys and values of each cached token some query row sees
+        (all of them, or a window's or chunk's: the kernel reads no other page), once."""
         size = 1 if problem.fp8 else {"float16": 2, "bfloat16": 2, "float32": 4}[problem.dtype]
-        return "GB/s", 2.0 * problem.batch * problem.seqlen_k * problem.num_heads_kv * problem.head_dim * size
+        keys = problem.seqlen_k
+        if problem.local:
+            sides = {
+                "left": problem.window_left,
+                "right": problem.window_right,
+                "chunk": problem.attention_chunk,
+            }
+            keys = masks.keys_seen(problem.seqlen_q, problem.seqlen_k, causal=problem.causal, **sides)
+        return "GB/s", 2.0 * problem.batch * keys * problem.num_heads_kv * problem.head_dim * size
 
     def case(self, problem: Problem, kernel: Any, device: Any, seed: int) -> Any:
         from tunegen.kernels.families.decode_case import decode_case

@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 
 from tunegen.kernels import fp8
-from tunegen.kernels.families.base import Case, Kernel, generator, normal
-from tunegen.kernels.families.prefill_case import SOFTCAP
+from tunegen.kernels.families.base import Case, Kernel, case_features, generator, normal
 from tunegen.kernels.launch_args import DecodeArgs
 from tunegen.kernels.problem import TORCH_DTYPES, Problem
 from tunegen.kernels.reference import attention_reference
@@ -55,10 +54,8 @@ def decode_case(problem: Problem, kernel: Kernel | None, device: torch.device, s
             for cache, tokens in zip((k_cache, v_cache), contiguous, strict=True):
                 cache.view(-1, hkv, d)[slots] = tokens.reshape(-1, hkv, d)
     scale = d**-0.5
-    sinks = normal((hq,), gen, device) if problem.sinks else None
-    softcap = SOFTCAP if problem.softcap else 0.0
-    window = (problem.window_left, problem.window_right)
-    local = {"window_size": window, "attention_chunk": problem.attention_chunk, "softcap": softcap}
+    local = case_features(problem, gen, device)
+    sinks, softcap = local.pop("sinks"), local["softcap"]
 
     def error_of(out: torch.Tensor) -> float:
         """‖out − ref‖/‖ref‖ against float64, one sequence at a time (a whole batch of 32k-token

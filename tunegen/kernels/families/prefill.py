@@ -13,6 +13,7 @@ from tunegen.kernels.families.prefill_ws import (
     REGISTER_FILE,
     WS_KNOBS,
     check_ws,
+    check_ws_variant,
     runs_ws,
     ws_constraint,
     ws_default,
@@ -232,9 +233,10 @@ def fa2_default(problem: Problem, gpu: Gpu) -> PrefillVariant:
 
 class PrefillFamily:
     name = "prefill"
-    # FlashAttention-2's loop renders all of them for 16-bit and float32 inputs; the Hopper
-    # schedule and FP8 refuse them (`check_ws`, `_check_fp8`).
+    # Both schedules render all of them for 16-bit inputs (FlashAttention-2's loop for float32
+    # too; the Hopper schedule's Variants as `check_ws_variant` says); FP8 refuses them (`_check_fp8`).
     model_features: ClassVar[frozenset[str]] = frozenset(MODEL_FEATURES)
+    fp8_model_features: ClassVar[frozenset[str]] = frozenset()
     template = "attention_fwd.py.j2"
     variant_type = PrefillVariant
     conditions: ClassVar[dict[str, tuple[str, tuple]]] = {
@@ -269,6 +271,7 @@ class PrefillFamily:
             "attention_chunk": problem.attention_chunk,
             "softcap": problem.softcap,
             "sinks": problem.sinks,
+            "ptx": gpu.backend == "cuda",
         }
 
     def check_variant(self, variant: Variant, problem: Problem, gpu: Gpu) -> None:
@@ -276,6 +279,7 @@ class PrefillFamily:
             raise ValueError(f"variant: expected a PrefillVariant, got {type(variant).__name__}")
         if variant.schedule == "ws":
             check_ws(problem, gpu)
+            check_ws_variant(variant, problem)
         if variant.stream_k and (problem.causal or problem.fp8):
             raise ValueError(
                 "variant.stream_k: cuts the last wave of 16-bit tiles without a causal mask (causal tiles "
@@ -326,8 +330,10 @@ class PrefillFamily:
                 ctas_per_sm=[1, 2],
                 dynamic=[False, True],
                 q_stages=[1, 2],
-                mask_branch=[False] if problem.fp8 else [False, True],
-                stream_k=[False] if problem.causal or problem.fp8 else [False, True],
+                mask_branch=[False] if problem.fp8 else [True] if problem.local else [False, True],
+                stream_k=[False, True]
+                if not (problem.causal or problem.fp8 or problem.model_features)
+                else [False],
             )
         return space
 

@@ -11,13 +11,12 @@ from __future__ import annotations
 import torch
 
 from tunegen.kernels import fp8, quantize
-from tunegen.kernels.families.base import Case, Kernel, generator, normal
+from tunegen.kernels.families.base import Case, Kernel, case_features, generator, normal
 from tunegen.kernels.launch_args import PrefillArgs
 from tunegen.kernels.problem import TORCH_DTYPES, Problem
 from tunegen.kernels.reference import attention_reference, sampled_error
 
 FULL_REFERENCE_LIMIT = 2**22  # score elements: above this, check sampled rows
-SOFTCAP = 50.0  # the cap a softcap Problem is tuned with (Gemma 2's on attention scores)
 
 
 def prefill_case(problem: Problem, kernel: Kernel | None, device: torch.device, seed: int) -> Case:
@@ -30,14 +29,8 @@ def prefill_case(problem: Problem, kernel: Kernel | None, device: torch.device, 
         for h, n in ((problem.num_heads_q, nq), (problem.num_heads_kv, nk), (problem.num_heads_kv, nk))
     )
     scale = d**-0.5
-    sinks = normal((problem.num_heads_q,), gen, device) if problem.sinks else None
-    softcap = SOFTCAP if problem.softcap else 0.0
-    local = {
-        "window_size": (problem.window_left, problem.window_right),
-        "attention_chunk": problem.attention_chunk,
-        "softcap": softcap,
-        "sinks": sinks,
-    }
+    local = case_features(problem, gen, device)
+    sinks, softcap = local["sinks"], local["softcap"]
     inputs = (q, k, v)
     if problem.fp8 and device.type == "meta":  # shapes only, laid out as the quantize kernel writes them
         inputs = quantize.outputs(q, k, per_block=True)

@@ -32,7 +32,8 @@ def check_ws(problem: Problem, gpu: Gpu, fallback: str = "fa2") -> None:
     """Where schedule "ws" runs: Hopper's wgmma and TMA (sm_90; not the interpreter, which cannot
     run Gluon), Gluon as of Triton 3.6, 16-bit inputs or FP8 (at the head dims where the release
     compiles it without spilling, `Release.ws_fp8_head_dims`) whose rows TMA can address, head dims
-    its register budget was sized for, and dense batches. The errors name the family's other
+    its register budget was sized for, and dense batches (current models' features included, but
+    for FP8: `check_ws_variant`). The errors name the family's other
     schedule, `fallback`, which runs the rest (the backward family's is "loops")."""
     if gpu.backend != "cuda" or gpu.capability != (9, 0):
         where = "Triton's interpreter" if gpu.backend == "interpreter" else f"{gpu.name} {gpu.capability}"
@@ -53,13 +54,22 @@ def check_ws(problem: Problem, gpu: Gpu, fallback: str = "fa2") -> None:
         )
     if problem.varlen:
         raise ValueError(f"variant.schedule: 'ws' runs dense batches; varlen takes {fallback!r}")
-    if problem.model_features:
-        raise ValueError(
-            f"variant.schedule: 'ws' renders no {sorted(problem.model_features)} in this release "
-            f"({fallback!r} runs them)"
-        )
     if not problem.aligned:
         raise ValueError("variant.schedule: 'ws' loads by TMA, which needs 16-byte aligned bases and strides")
+
+
+def check_ws_variant(variant: Variant, problem: Problem) -> None:
+    """What a Problem with features of current models asks of a Variant of schedule "ws": a
+    window or chunk masks the blocks at both ends of its key range, in a branch of one loop
+    (`mask_branch`) rather than three copies of it; no stream-K tail (its merge knows neither the
+    window's ranges nor the sinks)."""
+    if problem.local and not variant.mask_branch:
+        raise ValueError(
+            "variant.mask_branch: a window or chunk masks key blocks at both ends of the loop, "
+            "so schedule 'ws' masks them in a branch of one loop (mask_branch=True)"
+        )
+    if variant.stream_k and problem.model_features:
+        raise ValueError(f"variant.stream_k: the tail's merge renders no {sorted(problem.model_features)}")
 
 
 def runs_ws(problem: Problem, gpu: Gpu) -> bool:
@@ -124,9 +134,24 @@ def ws_default(problem: Problem, variant_type: Any, gpu: Gpu) -> Any:
     # release's register budget at head dims 64 and 128.
     two = variant_type(schedule="ws", block_m=64, block_n=128, consumers=2, overlap=True)
     best = _ws_measured(problem, two, gpu)
+    if best is not None and problem.local:
+        best = best.replace(mask_branch=True)  # a window's or chunk's masks (`check_ws_variant`)
     if best is None or ws_constraint(best, problem, gpu) is None:
         return best
-    return two.replace(pingpong=True, persistent=best.persistent)
+    return two.replace(pingpong=True, persistent=best.persistent, mask_branch=problem.local)
+
+
+def attended_length(problem: Problem) -> int:
+    """The most keys a row of `problem` sees: its length, or a window's or chunk's span, which sets
+    how long each tile's key loop runs and so which Variant runs it best (a window of 4096 keys
+    over a 16k prompt runs as a 4k prompt does)."""
+    n = problem.seqlen_q
+    right = 0 if problem.causal else problem.window_right
+    if problem.window_left >= 0 and right >= 0:
+        n = min(n, problem.window_left + right + 1)
+    if problem.attention_chunk > 0:
+        n = min(n, problem.attention_chunk)
+    return n
 
 
 def _ws_measured(problem: Problem, two: Any, gpu: Gpu) -> Any:
@@ -142,12 +167,13 @@ def _ws_measured(problem: Problem, two: Any, gpu: Gpu) -> Any:
     tokens one 128-row consumer over a third stage of keys instead); `mask_branch` also at causal
     head dim 64 past 4096. Longer causal prompts at head dim 128 overlap each consumer's softmax
     with its products, apart, but in turns on the H200 past 4096 tokens. Without a mask, prompts
-    up to 1024 tokens take two consumers without overlap: turns at head dim 128, apart at 64."""
+    up to 1024 tokens take two consumers without overlap: turns at head dim 128, apart at 64. A
+    window or chunk counts as a prompt of its span (`attended_length`)."""
     if not runs_ws(problem, gpu):
         return None
     if problem.batch * problem.num_heads_q * -(-problem.seqlen_q // 128) < gpu.sm_count:
         return None
-    n = problem.seqlen_q
+    n = attended_length(problem)
     pair = two.replace(block_n=64, consumers=1, ctas_per_sm=2)  # two one-consumer programs per SM
     if problem.fp8:  # benchmarks/results/fp8_h100.md (head dim 128; 64 takes the same, unmeasured)
         if problem.causal:
