@@ -11,7 +11,7 @@ import torch
 from tunegen import eager, flash_provider, fp8_attention, ops
 from tunegen.backends import capturing, wants_grad
 from tunegen.backward import AttentionFunction
-from tunegen.calls.local import NO_WINDOW, local_arguments, refuse_grad
+from tunegen.calls.local import NO_WINDOW, local_arguments
 from tunegen.calls.prefill import PrefillCall
 from tunegen.kernels import dispatch, launcher
 from tunegen.kernels.families import get
@@ -62,7 +62,7 @@ def explain(
     common = {"causal": a["causal"], "scale": a["scale"], "strict": a["strict"]}
     local = {n: a[n] for n in ("window_size", "attention_chunk", "softcap", "sinks")}
     passed = local_arguments(**local)
-    keep_lse = bool(a["return_lse"]) or wants_grad(q, k, v)
+    keep_lse = bool(a["return_lse"]) or wants_grad(q, k, v, a["sinks"])
     if target is attention_varlen:
         sizes = [a[n] for n in ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")]
         call = PrefillCall.packed(q, k, v, *sizes, return_lse=keep_lse, **common, **local)
@@ -152,8 +152,8 @@ def attention(
     defaults to 1/sqrt(head_dim). With `return_lse`, also returns the natural-log
     log-sum-exp (batch, heads, seqlen_q) in float32. `strict` (default: TUNEGEN_STRICT)
     makes any path other than a Triton kernel an error. Under torch.compile the call is the
-    custom op `torch.ops.tunegen.attention`. Differentiable: when autograd records and q, k or v
-    requires grad, the backward family's kernels give their gradients (and the log-sum-exp's);
+    custom op `torch.ops.tunegen.attention`. Differentiable: when autograd records and q, k, v or
+    the sinks require grad, the backward family's kernels give their gradients (and the log-sum-exp's);
     with `deterministic`, the same bits on every run (what torch.use_deterministic_algorithms
     asks of every call, asked of this one).
 
@@ -164,13 +164,14 @@ def attention(
     `q_descale`, `k_descale`, `v_descale` (batch, kv_heads), None meaning 1 (q and k may also
     take one per 128 rows, see `tunegen.quantize_fp8`), and return bfloat16.
 
-    The attention of current models, in FlashAttention's conventions (16-bit and float32, not
-    differentiable in this release): `window_size=(left, right)`, each row at position p (aligned
+    The attention of current models, in FlashAttention's conventions (16-bit and float32, and
+    differentiable, the sinks too): `window_size=(left, right)`, each row at position p (aligned
     bottom-right) sees keys p - left to p + right, -1 unbounded (Mistral, Gemma 2 and 3, gpt-oss);
     `attention_chunk`, each row sees only the keys of its own chunk of that many (Llama 4);
     `softcap`, scores become softcap·tanh(score / softcap) (Gemma 2); `sinks`, one logit per query
-    head (num_heads,) joins each row's softmax and sends nothing to the output (gpt-oss). Rows that
-    see no key give zeros (and a log-sum-exp of -inf, or of the sink).
+    head (num_heads,) joins each row's softmax and sends nothing to the output (gpt-oss); a sinks
+    tensor that requires grad gets its gradient, in its own dtype. Rows that see no key give zeros
+    (and a log-sum-exp of -inf, or of the sink).
     """
     local = local_arguments(window_size, attention_chunk, softcap, sinks)
     descales = (q_descale, k_descale, v_descale)
@@ -192,7 +193,7 @@ def attention(
             descales=descales,
         )
         return call.returned(*eager.run(call), return_lse)
-    grad = wants_grad(q, k, v)
+    grad = wants_grad(q, k, v, sinks)
     key = None
     if not local and not grad and not torch.compiler.is_compiling():
         # The launch key (see eager.run); here rather than in a function, which costs a call.
@@ -217,7 +218,6 @@ def attention(
         sinks=sinks,
         **features,
     )
-    refuse_grad(local, grad and call.local.any)
     return _serve(call, bool(return_lse), grad, key)
 
 
@@ -249,8 +249,7 @@ def attention_varlen(
     the call is the custom op `torch.ops.tunegen.attention_varlen`. Differentiable, as `attention`.
     `window_size`, `attention_chunk`, `softcap` and `sinks` as `attention`'s, per sequence.
     """
-    grad = wants_grad(q, k, v)
-    local = local_arguments(window_size, attention_chunk, softcap, sinks)
+    grad = wants_grad(q, k, v, sinks)
     features = {"window_size": window_size, "attention_chunk": attention_chunk, "softcap": softcap}
     compiling = torch.compiler.is_compiling()
     sizes = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
@@ -268,7 +267,6 @@ def attention_varlen(
         sinks=sinks,
         **features,
     )
-    refuse_grad(local, grad and call.local.any)
     return _serve(call, bool(return_lse), grad, None)
 
 
@@ -281,7 +279,7 @@ def _serve(
     if torch.compiler.is_compiling():
         out, lse = ops.through_op(call)
     elif grad:
-        out, lse = AttentionFunction.apply(call.q, call.k, call.v, call)
+        out, lse = AttentionFunction.apply(call.q, call.k, call.v, call.local.sinks, call)
     else:
         out, lse = eager.run(call, key)
     return call.returned(out, lse, return_lse)

@@ -41,11 +41,16 @@ def fallback_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype != torch.float64 else torch.float64
 
 
-def wants_grad(q: object, k: object, v: object) -> bool:
-    """Whether autograd records and q, k or v requires grad (about 0.3 µs; arguments that are not
-    tensors are left to the checks)."""
+def wants_grad(q: object, k: object, v: object, sinks: object = None) -> bool:
+    """Whether autograd records and q, k, v or the sinks require grad (about 0.3 µs; arguments that
+    are not tensors are left to the checks)."""
     try:
-        return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        return torch.is_grad_enabled() and (
+            q.requires_grad
+            or k.requires_grad
+            or v.requires_grad
+            or (sinks is not None and sinks.requires_grad)
+        )
     except AttributeError:
         return False
 

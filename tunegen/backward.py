@@ -21,41 +21,45 @@ from tunegen.kernels.gpu import gpu_of
 
 
 def gradients(call: BackwardCall) -> Grads:
-    """dq, dk, dv of `call.forward`: the kernel dispatched for the backward Problem (where the
-    forward asked for it, or under torch.use_deterministic_algorithms, its fixed-order form: the
-    same bits on every run), or where no Triton kernel runs, autograd through the forward's
-    reference."""
+    """dq, dk, dv of `call.forward`, and where it has sinks their gradient (float32, (heads,)): the
+    kernel dispatched for the backward Problem (where the forward asked for it, or under
+    torch.use_deterministic_algorithms, its fixed-order form: the same bits on every run), or
+    where no Triton kernel runs, autograd through the forward's reference."""
     if call.forward.backend() == "torch":
         return call.fallback()
-    dq, dk, dv = call.outputs()
+    grads = call.outputs()
     problem, gpu = call.problem(), gpu_of(call.forward.q.device)
     if call.forward.deterministic or torch.are_deterministic_algorithms_enabled():
         kernel = dispatch.deterministic_kernel_for(problem, gpu)
     else:
         kernel = dispatch.kernel_for(problem, gpu)
-    kernel.launch(call.args(dq, dk, dv))
-    return dq, dk, dv
+    kernel.launch(call.args(*grads))
+    return grads
 
 
 class AttentionFunction(torch.autograd.Function):
-    """A prefill call with gradients, for the eager path: `apply(q, k, v, call)` with the call's own
-    q, k, v (and `call.return_lse` True) returns (out, lse) and keeps both for the backward.
+    """A prefill call with gradients, for the eager path: `apply(q, k, v, sinks, call)` with the
+    call's own q, k, v and sinks (`call.local.sinks`, None without; and `call.return_lse` True)
+    returns (out, lse) and keeps both for the backward.
 
-    The graph keeps q, k, v only as saved tensors, which autograd frees after the backward (or
-    keeps for another, under `retain_graph`) and checks for changes in place; the call's other
-    fields are kept without them."""
+    The graph keeps q, k, v and the sinks only as saved tensors, which autograd frees after the
+    backward (or keeps for another, under `retain_graph`) and checks for changes in place; the
+    call's other fields are kept without them."""
 
     @staticmethod
-    def forward(ctx, q, k, v, call: PrefillCall):
+    def forward(ctx, q, k, v, sinks, call: PrefillCall):
         out, lse = eager.run(call)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.call = dataclasses.replace(call, q=None, k=None, v=None)
+        ctx.save_for_backward(q, k, v, sinks, out, lse)
+        ctx.call = dataclasses.replace(
+            call, q=None, k=None, v=None, local=dataclasses.replace(call.local, sinks=None)
+        )
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        forward = dataclasses.replace(ctx.call, q=q, k=k, v=v)
-        grads = gradients(BackwardCall.checked(forward, out, lse, dout, dlse))
-        return (*grads, None)
+        q, k, v, sinks, out, lse = ctx.saved_tensors
+        local = dataclasses.replace(ctx.call.local, sinks=sinks)
+        forward = dataclasses.replace(ctx.call, q=q, k=k, v=v, local=local)
+        dq, dk, dv, *dsinks = gradients(BackwardCall.checked(forward, out, lse, dout, dlse))
+        return dq, dk, dv, dsinks[0] if dsinks else None, None

@@ -11,7 +11,7 @@ attention refuses), and tunegen's masks are bottom-right aligned, so prefill and
 steps both run without one. Sliding
 windows (Mistral, Gemma 2 and 3, gpt-oss: `sliding_window` keys back, as transformers' flash
 path reads it), Gemma 2's logit cap (`softcap`) and gpt-oss's sinks (`s_aux`) run in tunegen's
-kernels, for inference (not under autograd in this release). A real mask (padded batches) is
+kernels, forward and backward (the sinks get their gradient). A real mask (padded batches) is
 refused: pack such batches and call `tunegen.attention_varlen`, or use another implementation
 for them. So are Llama 4's chunked layers, whose chunks transformers passes only as a mask.
 """

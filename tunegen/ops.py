@@ -99,17 +99,40 @@ def attention_backward_op(
     causal: bool,
     scale: float,
     deterministic: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradients (dq, dk, dv) of attention() from its output's and log-sum-exp's gradients."""
+    window_left: int = -1,
+    window_right: int = -1,
+    attention_chunk: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients (dq, dk, dv, and the sinks' in float32, a 0-element tensor without sinks) of
+    attention() from its output's and log-sum-exp's gradients."""
+    local = _local(window_left, window_right, attention_chunk, softcap, sinks)
     forward = PrefillCall.dense(
-        q, k, v, causal=causal, scale=scale, return_lse=True, deterministic=deterministic
+        q, k, v, causal=causal, scale=scale, return_lse=True, deterministic=deterministic, **local
     )
-    return backward.gradients(BackwardCall.checked(forward, out, lse, dout, dlse))
+    return _four(backward.gradients(BackwardCall.checked(forward, out, lse, dout, dlse)), q)
 
 
 @attention_backward_op.register_fake
-def _(dout, q, k, v, *_):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    dlse,
+    causal,
+    scale,
+    deterministic=False,
+    window_left=-1,
+    window_right=-1,
+    attention_chunk=0,
+    softcap=0.0,
+    sinks=None,
+):
+    return _fake_grads(q, k, v, sinks)
 
 
 @torch.library.custom_op("tunegen::attention_varlen_backward", mutates_args=())
@@ -128,18 +151,55 @@ def attention_varlen_backward_op(
     causal: bool,
     scale: float,
     deterministic: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradients (dq, dk, dv) of attention_varlen()."""
+    window_left: int = -1,
+    window_right: int = -1,
+    attention_chunk: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients (dq, dk, dv, and the sinks' as attention_backward's) of attention_varlen()."""
     sizes = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    local = _local(window_left, window_right, attention_chunk, softcap, sinks)
     forward = PrefillCall.packed(
-        q, k, v, *sizes, causal=causal, scale=scale, return_lse=True, deterministic=deterministic
+        q, k, v, *sizes, causal=causal, scale=scale, return_lse=True, deterministic=deterministic, **local
     )
-    return backward.gradients(BackwardCall.checked(forward, out, lse, dout, dlse))
+    return _four(backward.gradients(BackwardCall.checked(forward, out, lse, dout, dlse)), q)
 
 
 @attention_varlen_backward_op.register_fake
-def _(dout, q, k, v, *_):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    dlse,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    causal,
+    scale,
+    deterministic=False,
+    window_left=-1,
+    window_right=-1,
+    attention_chunk=0,
+    softcap=0.0,
+    sinks=None,
+):
+    return _fake_grads(q, k, v, sinks)
+
+
+def _four(grads: tuple[torch.Tensor, ...], q: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A backward op's outputs: dq, dk, dv and the sinks' gradient, 0 elements where there are none."""
+    return grads if len(grads) == 4 else (*grads, q.new_empty(0, dtype=torch.float32))
+
+
+def _fake_grads(q, k, v, sinks) -> tuple[torch.Tensor, ...]:
+    """A backward op's outputs as shapes."""
+    dsinks = q.new_empty(0 if sinks is None else sinks.shape[0], dtype=torch.float32)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
 
 
 def _local(window_left: int, window_right: int, attention_chunk: int, softcap: float, sinks) -> dict:
@@ -170,49 +230,42 @@ def through_op(call: PrefillCall) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _keep_for_backward(ctx, inputs, output) -> None:
-    """Save q, k, v (and the varlen offsets), the output and the log-sum-exp; the rest as is, and
-    how many inputs follow q, k, v (none of which gets a gradient)."""
+    """Save q, k, v, the output, the log-sum-exp, the sinks (the last input) and the varlen offsets;
+    the rest as is, and how many inputs follow q, k, v (of which only the sinks get a gradient)."""
     q, k, v, *rest = inputs
     out, lse = output
-    tensors = [t for t in rest if isinstance(t, torch.Tensor)]
-    ctx.save_for_backward(q, k, v, out, lse, *tensors)
-    ctx.rest = [a for a in rest if not isinstance(a, torch.Tensor)]
+    tensors = [t for t in rest[:-1] if isinstance(t, torch.Tensor)]
+    ctx.save_for_backward(q, k, v, out, lse, rest[-1], *tensors)
+    ctx.rest = [a for a in rest[:-1] if not isinstance(a, torch.Tensor)]
     ctx.inputs_past_qkv = len(rest)
-    window_left, window_right, chunk, softcap, sinks = inputs[-5:]
-    ctx.local = (window_left, window_right) != (-1, -1) or chunk != 0 or softcap != 0 or sinks is not None
 
 
-def _refuse_local(ctx) -> None:
-    """A ValueError where the forward had a window, chunks, a cap or sinks: the backward renders
-    none of them in this release (the public calls refuse before; the ops may be called directly)."""
-    if ctx.local:
-        raise ValueError(
-            "window_size: the backward renders no window_size, attention_chunk, softcap or sinks in "
-            "this release"
-        )
+def _grads(ctx, dq, dk, dv, dsinks, sinks) -> tuple:
+    """The gradients of every input of a forward op: q, k, v, None for the flags and sizes, and the
+    sinks' (where there are sinks)."""
+    return dq, dk, dv, *(None,) * (ctx.inputs_past_qkv - 1), dsinks if sinks is not None else None
 
 
 def _attention_grads(ctx, dout, dlse):
-    _refuse_local(ctx)
-    q, k, v, out, lse, *_ = ctx.saved_tensors
-    causal, scale, _, deterministic, *_ = ctx.rest
+    q, k, v, out, lse, sinks = ctx.saved_tensors
+    causal, scale, _, deterministic, *local = ctx.rest
     if lse.numel() == 0:  # called without the log-sum-exp (return_lse=False): compute it again
-        out, lse = attention_op(q, k, v, causal, scale, True)
+        out, lse = attention_op(q, k, v, causal, scale, True, deterministic, *local, sinks)
         dlse = None
-    grads = attention_backward_op(dout, q, k, v, out, lse, dlse, causal, scale, deterministic)
-    return (*grads, *(None,) * ctx.inputs_past_qkv)
+    grads = attention_backward_op(dout, q, k, v, out, lse, dlse, causal, scale, deterministic, *local, sinks)
+    return _grads(ctx, *grads, sinks)
 
 
 def _attention_varlen_grads(ctx, dout, dlse):
-    _refuse_local(ctx)
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *_ = ctx.saved_tensors
-    max_seqlen_q, max_seqlen_k, causal, scale, _, deterministic, *_ = ctx.rest
+    q, k, v, out, lse, sinks, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    max_seqlen_q, max_seqlen_k, causal, scale, _, deterministic, *local = ctx.rest
     sizes = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if lse.numel() == 0:  # called without the log-sum-exp (return_lse=False): compute it again
-        out, lse = attention_varlen_op(q, k, v, *sizes, causal, scale, True)
+        out, lse = attention_varlen_op(q, k, v, *sizes, causal, scale, True, deterministic, *local, sinks)
         dlse = None
-    grads = attention_varlen_backward_op(dout, q, k, v, out, lse, dlse, *sizes, causal, scale, deterministic)
-    return (*grads, *(None,) * ctx.inputs_past_qkv)
+    flags = (causal, scale, deterministic, *local, sinks)
+    grads = attention_varlen_backward_op(dout, q, k, v, out, lse, dlse, *sizes, *flags)
+    return _grads(ctx, *grads, sinks)
 
 
 attention_op.register_autograd(_attention_grads, setup_context=_keep_for_backward)

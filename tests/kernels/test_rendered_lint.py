@@ -92,6 +92,15 @@ def _problems() -> list[Problem]:
         if not (fp8 and dtype == "float32")
     ]
     backward = [dataclasses.replace(p, family="backward", return_lse=False) for p in prefill]
+    # The backward's loops with the features of current models (every one, and all at once).
+    features = ({"window_left": 127}, {"attention_chunk": 256}, {"softcap": True}, {"sinks": True})
+    features += (
+        {"window_left": 63, "window_right": 31, "attention_chunk": 256, "softcap": True, "sinks": True},
+    )
+    backward += [
+        dataclasses.replace(p, causal=p.causal and "window_right" not in changes, **changes)
+        for p, changes in itertools.product(backward[::8], features)
+    ]
     return prefill + fp8 + decode + backward
 
 

@@ -209,9 +209,10 @@ def test_a_log_sum_exp_laid_out_otherwise_gives_the_same_gradients():
     out, lse = tunegen.attention(q, k, v, causal=True, return_lse=True)
     permuted = torch.empty_permuted(lse.shape, (0, 2, 1)).copy_(lse)
     assert permuted.stride(-1) != 1
-    grads = torch.ops.tunegen.attention_backward(dout, q, k, v, out, permuted, None, True, 32**-0.5)
+    *grads, dsinks = torch.ops.tunegen.attention_backward(dout, q, k, v, out, permuted, None, True, 32**-0.5)
     forward = lambda q, k, v: attention_reference(q, k, v, causal=True, scale=32**-0.5)
     assert_grads(grads, reference_grads(forward, (q, k, v), dout), torch.float32)
+    assert dsinks.numel() == 0  # no sinks
 
 
 def test_a_retained_graph_gives_the_same_gradients_twice_and_frees_its_inputs_after(device):

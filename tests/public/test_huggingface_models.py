@@ -1,9 +1,9 @@
 """attn_implementation="tunegen" runs current models' attention as transformers' eager one does:
 tiny random Mistral (a sliding window), Gemma 2 (windows on alternate layers, the logit cap),
 Gemma 3 (windows on five layers of six), gpt-oss (windows and sinks, head dim 64) and Qwen2-MoE
-(a window its layers keep rather than pass), on logits over prompts longer than their windows and
-on cached greedy generation past them; what it cannot read (packed sequences, a window no layer
-passes, Llama 4's chunked layers) is refused by name."""
+(a window its layers keep rather than pass), on logits over prompts longer than their windows, on
+a training step's gradients and on cached greedy generation past them; what it cannot read (packed
+sequences, a window no layer passes, Llama 4's chunked layers) is refused by name."""
 
 from __future__ import annotations
 
@@ -112,6 +112,23 @@ def test_logits_match_eager(model):
     ref = _logits(model, "eager", ids)
     out = _logits(model, "tunegen", ids)
     assert float((out - ref).norm() / ref.norm()) < 1e-5
+
+
+def test_gradients_match_eager(model):
+    """A training step's gradients through the windows, the cap and the sinks: every parameter's (the
+    sinks' too) as eager attention gives them."""
+    ids = torch.randint(0, 128, (2, 29), generator=torch.Generator().manual_seed(3))
+    grads = {}
+    for implementation in ("eager", "tunegen"):
+        model.set_attn_implementation(implementation)
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+        grads[implementation] = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    assert grads["tunegen"].keys() == grads["eager"].keys()
+    for name, ref in grads["eager"].items():
+        err = float((grads["tunegen"][name] - ref).norm() / ref.norm().clamp_min(1e-30))
+        assert err < 1e-4, (name, err)
 
 
 def test_cached_generation_matches_eager(model):

@@ -1,7 +1,7 @@
 """`tunegen.attention` and `attention_varlen` with the attention of current models (window_size,
 attention_chunk, softcap, sinks): against float64 through the public calls, the Problem key they
-dispatch under, the checks that name a bad argument, what this release refuses (the backward,
-FP8), the fast path that must not serve them, and torch.compile."""
+dispatch under, the checks that name a bad argument, what this release refuses (FP8), the fast
+path that must not serve them, and torch.compile (their gradients: test_local_gradients.py)."""
 
 from __future__ import annotations
 
@@ -98,7 +98,6 @@ def test_the_problem_key_holds_the_canonical_mask():
         ({"softcap": float("inf")}, "softcap: expected a finite float >= 0"),
         ({"sinks": torch.zeros(3)}, r"sinks: expected shape \(4,\), one logit per query head"),
         ({"sinks": torch.zeros(4, dtype=torch.int32)}, "sinks: expected a floating-point tensor"),
-        ({"sinks": torch.zeros(4, requires_grad=True)}, "sinks: the backward renders no sinks"),
         ({"window_size": (4, -1), "precision": "fp8"}, "window_size: FP8 attention takes none of"),
     ],
 )
@@ -106,26 +105,6 @@ def test_bad_arguments_are_named(kwargs, message):
     q, k, v, _ = _inputs("cpu", 20, 20, seed=6)
     with pytest.raises(ValueError, match=message):
         tunegen.attention(q, k, v, **kwargs)
-
-
-def test_autograd_is_refused_by_name():
-    q, k, v, _ = _inputs("cpu", 20, 20, seed=7)
-    q.requires_grad_(True)
-    with pytest.raises(ValueError, match="window_size: the backward renders no window_size"):
-        tunegen.attention(q, k, v, window_size=(4, -1))
-    with pytest.raises(ValueError, match="softcap: the backward renders no"):
-        tunegen.attention_varlen(
-            q[0].transpose(0, 1),
-            k[0].transpose(0, 1),
-            v[0].transpose(0, 1),
-            torch.tensor([0, 20], dtype=torch.int32),
-            torch.tensor([0, 20], dtype=torch.int32),
-            20,
-            20,
-            softcap=3.0,
-        )
-    with torch.no_grad():
-        tunegen.attention(q, k, v, window_size=(4, -1))
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU kernels need the interpreter")
@@ -159,16 +138,6 @@ def test_a_packed_batch_keeps_a_chunk_wider_than_its_keys(device):
     assert rel_err(out, ref) < REL_TOL[torch.float16]
     assert_lse(lse, ref_lse, torch.float16)
     assert torch.all(out[:20] == 0), "the first sequence's first 20 rows sit at negative positions"
-
-
-def test_the_custom_op_called_directly_refuses_the_backward():
-    """The public calls refuse autograd over the features; the op, called directly, does too rather
-    than give the plain mask's gradients."""
-    q, k, v, _ = _inputs("cpu", 20, 20, seed=11)
-    q.requires_grad_(True)
-    out, _ = torch.ops.tunegen.attention(q, k, v, True, 0.25, False, False, 3, -1, 0, 0.0, None)
-    with pytest.raises(ValueError, match="window_size: the backward renders no"):
-        out.sum().backward()
 
 
 def test_explain_names_the_problem_they_dispatch_under():

@@ -1,5 +1,6 @@
 """A checked call of the backward family: the gradients of a prefill call (tunegen.calls.prefill),
-from its output and log-sum-exp and the gradients that flow into them."""
+from its output and log-sum-exp and the gradients that flow into them: dq, dk, dv, and where the
+call has sinks, theirs."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from tunegen.calls.prefill import PrefillCall
 from tunegen.kernels.launch_args import BackwardArgs
 from tunegen.kernels.problem import DTYPE_NAMES, Problem
 
-Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+# dq, dk, dv, and the sinks' gradient (float32, (heads,)) where the forward had sinks.
+Grads = tuple[torch.Tensor, ...]
 
 
 def descriptor_ready(*tensors: torch.Tensor) -> bool:
@@ -65,8 +67,9 @@ class BackwardCall:
         return cls(forward, out, lse, dout if dout.stride(-1) == 1 else dout.contiguous(), dlse)
 
     def problem(self) -> Problem:
-        """The backward Problem: the forward's sizes and features (whether it returned its
-        log-sum-exp leaves it unchanged), aligned where descriptors can read q, k, v and dout."""
+        """The backward Problem: the forward's sizes, mask and features of current models (whether it
+        returned its log-sum-exp leaves it unchanged), aligned where descriptors can read q, k, v
+        and dout."""
         f = self.forward
         return Problem.of(
             family="backward",
@@ -80,17 +83,24 @@ class BackwardCall:
             seqlen_k=f.seqlen_k,
             varlen=f.varlen is not None,
             aligned=descriptor_ready(f.q, f.k, f.v, self.dout),
+            **f.local.key(),
         )
 
     def outputs(self) -> Grads:
-        """Fresh dq, dk, dv."""
+        """Fresh dq, dk, dv, and for sinks a float32 (heads,) gradient."""
         f = self.forward
-        return torch.empty_like(f.q), torch.empty_like(f.k), torch.empty_like(f.v)
+        grads = (torch.empty_like(f.q), torch.empty_like(f.k), torch.empty_like(f.v))
+        if f.local.sinks is None:
+            return grads
+        return (*grads, torch.empty(f.local.sinks.shape, device=f.q.device, dtype=torch.float32))
 
-    def args(self, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> BackwardArgs:
-        """The kernels' launch arguments, writing dq, dk, dv."""
+    def args(
+        self, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, dsinks: torch.Tensor | None = None
+    ) -> BackwardArgs:
+        """The kernels' launch arguments, writing dq, dk, dv (and the sinks' gradient into dsinks)."""
         f = self.forward
         args = BackwardArgs(f.q, f.k, f.v, self.out, self.dout, self.lse, self.dlse, dq, dk, dv, f.scale)
+        args.softcap, args.sinks, args.dsinks = f.local.softcap, f.local.sinks, dsinks
         if f.varlen is not None:
             args.cu_seqlens_q, args.cu_seqlens_k = f.varlen.cu_seqlens_q, f.varlen.cu_seqlens_k
             args.max_seqlen_q, args.max_seqlen_k = f.varlen.max_seqlen_q, f.varlen.max_seqlen_k
@@ -98,13 +108,18 @@ class BackwardCall:
 
     def fallback(self) -> Grads:
         """The PyTorch path: autograd through the forward's reference (float32 compute; float64
-        for float64 inputs)."""
+        for float64 inputs), the sinks too."""
         f = self.forward
+        sinks = f.local.sinks
         with torch.enable_grad():
             leaves = tuple(t.detach().requires_grad_() for t in (f.q, f.k, f.v))
+            if sinks is not None:
+                sinks = sinks.detach().requires_grad_()
+                f = dataclasses.replace(f, local=dataclasses.replace(f.local, sinks=sinks))
             out, lse = f.reference(fallback_dtype(f.q.dtype), leaves)
             pairs = [
                 (o, g) for o, g in ((out.to(f.q.dtype), self.dout), (lse.float(), self.dlse)) if g is not None
             ]
-            dq, dk, dv = torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs])
-        return dq, dk, dv
+            inputs = leaves if sinks is None else (*leaves, sinks)
+            grads = torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs])
+        return grads

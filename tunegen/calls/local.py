@@ -91,8 +91,9 @@ def check_local(
 ) -> Local:
     """The call's features, checked against q, whose dim `heads_dim` holds the query heads (1 for
     prefill calls, dense or packed; 2 for decode's (batch, nq, heads, head_dim)); each bad value
-    gets a ValueError that names it. `sinks` is taken as a float32 copy, detached; where the call
-    is `differentiable`, sinks that autograd records are refused (no backward renders them)."""
+    gets a ValueError that names it. `sinks` is taken as float32 (contiguous); where the call is
+    `differentiable` it keeps their autograd history (the backward gives the sinks' gradient, in
+    their own dtype), elsewhere it is detached."""
     if (
         not isinstance(window_size, tuple | list)
         or len(window_size) != 2
@@ -121,9 +122,7 @@ def check_local(
             )
         if sinks.device != q.device:
             raise ValueError(f"sinks: expected device {q.device} like q, got {sinks.device}")
-        if differentiable and sinks.requires_grad and torch.is_grad_enabled():
-            raise ValueError("sinks: the backward renders no sinks in this release; pass them detached")
-        sinks = sinks.detach().to(torch.float32).contiguous()
+        sinks = (sinks if differentiable else sinks.detach()).to(torch.float32).contiguous()
     return Local(window_size[0], window_size[1], attention_chunk, float(softcap), sinks)
 
 
@@ -151,13 +150,3 @@ def local_arguments(
         "sinks": sinks is not None,
     }
     return [name for name, on in passed.items() if on]
-
-
-def refuse_grad(passed: list[str], grad: bool) -> None:
-    """Raise ValueError naming the first feature passed where autograd records (`grad`) over a mask
-    or features that remain after normalizing: the backward does not render them in this release."""
-    if grad:
-        raise ValueError(
-            f"{passed[0]}: the backward renders no window_size, attention_chunk, softcap or sinks in this "
-            "release; call under torch.no_grad() or on tensors that do not require grad"
-        )

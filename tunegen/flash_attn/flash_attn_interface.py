@@ -58,9 +58,8 @@ def flash_attn_func(
 ):
     """Attention over (batch, seqlen, heads, head_dim) q and k, v (fewer heads for GQA/MQA): the
     output like q, and with `return_attn_probs` the log-sum-exp (batch, heads, seqlen_q) float32
-    and an empty S_dmask. Differentiable in q, k, v; `deterministic` makes the backward's
-    gradients the same bits on every run. A window or cap runs without autograd only (tunegen's
-    backward renders neither yet)."""
+    and an empty S_dmask. Differentiable in q, k, v, a window and the cap included;
+    `deterministic` makes the backward's gradients the same bits on every run."""
     require(dropout_p=not dropout_p)
     local = served_local(causal, window_size, softcap, alibi_slopes)
     result = dense(q, k, v, local, softmax_scale, return_attn_probs, deterministic)

@@ -65,7 +65,9 @@ class DecodeArgs:
 class BackwardArgs:
     """The backward family's launch: the forward's q, k, v, its output and log-sum-exp (float32),
     the gradients of both (dout like out; dlse like lse, or None), and dq, dk, dv to write; packed
-    tensors take the varlen fields (the maxima bound the lengths)."""
+    tensors take the varlen fields (the maxima bound the lengths). Problems with `softcap` take the
+    cap, with `sinks` the forward's sinks as `PrefillArgs` takes them and `dsinks` (float32,
+    (heads,)) to write their gradient into."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -82,6 +84,9 @@ class BackwardArgs:
     cu_seqlens_k: torch.Tensor | None = None
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
+    softcap: float = 0.0
+    sinks: torch.Tensor | None = None
+    dsinks: torch.Tensor | None = None
 
 
 @dataclasses.dataclass(slots=True)

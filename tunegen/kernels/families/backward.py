@@ -7,11 +7,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-from tunegen.kernels.families.backward_ws import WS_KNOBS, consumer_registers, ws_constraint, ws_default
+from tunegen.kernels.families.backward_ws import (
+    WS_KNOBS,
+    check_ws_backward,
+    consumer_registers,
+    runs_ws_backward,
+    ws_constraint,
+    ws_default,
+)
 from tunegen.kernels.families.operands import block_d, check_descriptors, dot_precision, load_paths
-from tunegen.kernels.families.prefill_ws import check_ws, runs_ws
 from tunegen.kernels.gpu import Gpu
-from tunegen.kernels.problem import Problem
+from tunegen.kernels.problem import MODEL_FEATURES, Problem
 from tunegen.kernels.variant import Variant
 
 DQ_MODES = ("separate", "concurrent", "atomic", "partial")
@@ -200,7 +206,10 @@ def loops_default(problem: Problem, gpu: Gpu) -> BackwardVariant:
 
 class BackwardFamily:
     name = "backward"
-    model_features: ClassVar[frozenset[str]] = frozenset()
+    # FlashAttention-2's loops render all of them; the Hopper schedule refuses them by name
+    # (`check_ws_backward`), so that the defaults fall back to the loops.
+    model_features: ClassVar[frozenset[str]] = frozenset(MODEL_FEATURES)
+    fp8_model_features: ClassVar[frozenset[str]] = frozenset()  # no FP8 backward
     template = "attention_bwd.py.j2"
     variant_type = BackwardVariant
     conditions: ClassVar[dict[str, tuple[str, tuple]]] = {
@@ -214,7 +223,9 @@ class BackwardFamily:
     }
 
     def features(self, problem: Problem, gpu: Gpu) -> dict[str, Any]:
-        return {
+        """The template's features; those of current models (`MODEL_FEATURES`) only where the
+        Problem has some, so that a plain Problem renders as it did before they existed."""
+        features = {
             "head_dim": problem.head_dim,
             "block_d": block_d(problem.head_dim),
             "causal": problem.causal,
@@ -223,12 +234,15 @@ class BackwardFamily:
             "precision": dot_precision(problem),
             "upcast": gpu.backend == "interpreter" and problem.dtype == "bfloat16",
         }
+        if problem.model_features:
+            features.update({name: getattr(problem, name) for name in MODEL_FEATURES})
+        return features
 
     def check_variant(self, variant: Variant, problem: Problem, gpu: Gpu) -> None:
         if not isinstance(variant, BackwardVariant):
             raise ValueError(f"variant: expected a BackwardVariant, got {type(variant).__name__}")
         if variant.schedule == "ws":
-            check_ws(problem, gpu, fallback="loops")
+            check_ws_backward(problem, gpu)
         if variant.load == "desc":
             check_descriptors(problem, gpu)
 
@@ -248,7 +262,7 @@ class BackwardFamily:
         else:
             resident, walked, warps, stages = [64, 128], [32, 64], [4, 8], [1, 2, 3, 4]
         loads = load_paths(problem, gpu)
-        schedules = ["loops", "ws"] if runs_ws(problem, gpu) else ["loops"]
+        schedules = ["loops", "ws"] if runs_ws_backward(problem, gpu) else ["loops"]
         space: dict[str, list] = {
             "schedule": schedules,
             "dq_mode": list(DQ_MODES),
@@ -282,11 +296,11 @@ class BackwardFamily:
 
         Shared memory, per pass: the resident tiles plus `num_stages` buffers of the two walked
         tiles (and, with dQ in the dK/dV pass, the transposed dS and the float32 dQ tile).
-        Registers, per pass: the float32 accumulators (dK and dV, or dQ) and two score tiles
-        spread over the threads; past 192 per thread ptxas spills (calibrated on sm_90
-        compiles: 320 spilled 3.3 KB, 160 to 192 spilled at most 60 bytes). A concurrent launch
-        runs both passes with the dK/dV pass's warps and stages. "partial" keeps a float32 dQ per
-        tile of keys: at most PARTIAL_BYTES_MAX of them.
+        Registers, per pass: the float32 accumulators (dK and dV, or dQ) and two score tiles (three
+        with softcap, whose tanh dS needs) spread over the threads; past 192 per thread ptxas
+        spills (calibrated on sm_90 compiles: 320 spilled 3.3 KB, 160 to 192 spilled at most 60
+        bytes). A concurrent launch runs both passes with the dK/dV pass's warps and stages.
+        "partial" keeps a float32 dQ per tile of keys: at most PARTIAL_BYTES_MAX of them.
         """
         try:
             self.check_variant(variant, problem, gpu)
@@ -320,7 +334,8 @@ class BackwardFamily:
                     f"shared memory: the {name} pass needs about {smem} bytes, "
                     f"{gpu.name} has {gpu.smem_per_block} per block"
                 )
-            registers = (accumulators * resident * d + 2 * resident * walked) // (warps * 32)
+            scores = 3 if problem.softcap else 2
+            registers = (accumulators * resident * d + scores * resident * walked) // (warps * 32)
             if registers > MAX_REGISTERS_PER_THREAD:
                 return f"registers: the {name} pass holds about {registers} float32 values per thread"
         return None
@@ -328,7 +343,7 @@ class BackwardFamily:
     def default_variant(self, problem: Problem, gpu: Gpu) -> BackwardVariant:
         """Until tuned Winners exist: the Hopper schedule wherever it runs (`ws_default`), else
         FlashAttention-2's loops (`loops_default`)."""
-        if runs_ws(problem, gpu):
+        if runs_ws_backward(problem, gpu):
             return ws_default(problem, BackwardVariant, gpu)
         return loops_default(problem, gpu)
 

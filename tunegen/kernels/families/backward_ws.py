@@ -1,13 +1,14 @@
 """The backward family's Hopper schedule ("ws", FlashAttention-3's warp-specialized backward in
-Gluon): the shared memory and registers a Variant of it needs, and its measured defaults. Where
-it runs is the prefill schedule's rule (`prefill_ws.check_ws`): the same GPU, releases and inputs."""
+Gluon): where it runs, the shared memory and registers a Variant of it needs, and its measured
+defaults. Where it runs is the prefill schedule's rule (`prefill_ws.check_ws`: the same GPU,
+releases and inputs), less the features of current models, which it does not render."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from tunegen.kernels import releases
-from tunegen.kernels.families.prefill_ws import REGISTER_FILE
+from tunegen.kernels.families.prefill_ws import REGISTER_FILE, check_ws
 from tunegen.kernels.gpu import Gpu
 from tunegen.kernels.problem import Problem
 
@@ -25,6 +26,27 @@ WS_KNOBS = (
 # within the bound ptxas spills at most 80 bytes per thread (3.9: 240 at head dim 128, causal),
 # and past it (head dim 64 with 128 query rows) 416 and more.
 SPARE_REGISTERS = 16
+
+
+def check_ws_backward(problem: Problem, gpu: Gpu) -> None:
+    """Where the backward's schedule "ws" runs (a ValueError saying why not): the prefill schedule's
+    GPU, releases and inputs (`check_ws`), without a window, chunks, the cap or sinks, which only
+    the loops render."""
+    check_ws(problem, gpu, fallback="loops")
+    if problem.model_features:
+        raise ValueError(
+            f"variant.schedule: the backward's 'ws' renders no {sorted(problem.model_features)} in this "
+            "release ('loops' runs them)"
+        )
+
+
+def runs_ws_backward(problem: Problem, gpu: Gpu) -> bool:
+    """Whether the backward's schedule "ws" runs `problem` on `gpu` (`check_ws_backward`)."""
+    try:
+        check_ws_backward(problem, gpu)
+    except ValueError:
+        return False
+    return True
 
 
 def consumer_registers(variant: Any) -> int:
