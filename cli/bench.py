@@ -16,8 +16,10 @@ from tunegen.cli.options import (
     COUNTS,
     HEAD_DIM,
     PAGE_SIZES,
+    WINDOW_OPTION,
     check_kv_heads,
     check_suite,
+    local_options,
     suite_options,
 )
 
@@ -50,6 +52,7 @@ def _print_refusals(console, notes: list[tuple[str, str]]) -> None:
 
 @bench.command("prefill")
 @suite_options
+@local_options
 @click.option(
     "--impl",
     "impls",
@@ -71,10 +74,16 @@ def bench_prefill(
     tokens: int,
     hidden: int,
     kv_heads: int | None,
+    window: tuple[int, int],
+    chunk: int,
+    softcap: float,
+    sinks: bool,
     impls: str | None,
     output: Path | None,
 ) -> None:
-    """Prefill forward: TFLOP/s per implementation on the FlashAttention papers' suite."""
+    """Prefill forward: TFLOP/s per implementation on the FlashAttention papers' suite, with the
+    features of current models where asked (SDPA takes none: its rows say n/a). TFLOP/s count the
+    (row, key) pairs attended; a window wider than a length is that length's plain mask."""
     from rich.console import Console
     from rich.progress import Progress
     from rich.table import Table
@@ -87,19 +96,21 @@ def bench_prefill(
     check_suite(head_dims, hidden, kv_heads)
     _need_gpu()
     names = [s.strip() for s in impls.split(",")] if impls else ["tunegen", *peers.available()]
-    shapes = prefill_suite(seqlens, head_dims, CAUSAL[causal], tokens, hidden, kv_heads)
+    features = {"window_size": window, "attention_chunk": chunk, "softcap": softcap, "sinks": sinks}
+    shapes = prefill_suite(seqlens, head_dims, CAUSAL[causal], tokens, hidden, kv_heads, **features)
     with Progress(transient=True) as progress:
         task = progress.add_task("bench prefill", total=len(shapes) * len(names))
         rows = benchmarks.bench_prefill(shapes, names, dtype=dtype, on_row=lambda _: progress.advance(task))
     if output is not None:
         write_rows(rows, output)
-    table = Table(title=f"prefill {dtype}, TFLOP/s ({rows[0].gpu if rows else ''})")
-    for col in ("D", "causal", "N", "B", "H", *names):
+    table = Table(title=f"prefill {dtype}, TFLOP/s of the pairs attended ({rows[0].gpu if rows else ''})")
+    for col in ("D", "causal", "window", "chunk", "cap", "sinks", "N", "B", "H", *names):
         table.add_column(col, justify="right")
     by_shape: dict[tuple, dict[str, str]] = {}
     for r in rows:
         cell = f"{r.tflops:.0f}" if r.tflops is not None else _missing(r.note)
-        by_shape.setdefault((r.head_dim, r.causal, r.seqlen, r.batch, r.heads), {})[r.impl] = cell
+        local = (f"{r.window_left},{r.window_right}", r.attention_chunk, f"{r.softcap:g}", r.sinks)
+        by_shape.setdefault((r.head_dim, r.causal, *local, r.seqlen, r.batch, r.heads), {})[r.impl] = cell
     for key, cells in by_shape.items():
         table.add_row(*(str(x) for x in key), *(cells.get(n, "") for n in names))
     console = Console(width=200)
@@ -120,9 +131,11 @@ def bench_prefill(
     show_default=True,
     help="Cache layouts: 0 is contiguous, others paged with that many tokens a page (multiples of 16).",
 )
+@WINDOW_OPTION
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None)
-def bench_decode(batches, cache_lengths, heads, kv_heads, head_dim, page_sizes, output) -> None:
-    """Decode over a KV cache: GB/s of K and V read, tunegen against SDPA's backends."""
+def bench_decode(batches, cache_lengths, heads, kv_heads, head_dim, page_sizes, window, output) -> None:
+    """Decode over a KV cache: GB/s of K and V read, tunegen against SDPA's backends; with a
+    --window, GB/s of the window's keys and values only (SDPA takes no window)."""
     from rich.progress import Progress
 
     from tunegen.measure.bench import bench_cases
@@ -131,7 +144,7 @@ def bench_decode(batches, cache_lengths, heads, kv_heads, head_dim, page_sizes, 
 
     check_kv_heads(heads, kv_heads)
     _need_gpu()
-    problems = decode_suite(batches, cache_lengths, heads, kv_heads, head_dim, page_sizes)
+    problems = decode_suite(batches, cache_lengths, heads, kv_heads, head_dim, page_sizes, window_size=window)
     with Progress(transient=True) as progress:
         task = progress.add_task("bench decode", total=None)
         rows = bench_cases(problems, on_row=lambda _: progress.advance(task))
@@ -141,6 +154,7 @@ def bench_decode(batches, cache_lengths, heads, kv_heads, head_dim, page_sizes, 
         rows,
         "decode bf16, GB/s of K/V read: kernel (L2 flushed) / eager call, host included / CUDA graph",
         {
+            "window": lambda r: f"{r.get('window_left', -1)},{r.get('window_right', -1)}",
             "B": lambda r: r["batch"],
             "cache": lambda r: r["seqlen_k"],
             "layout": lambda r: f"paged {r['page_size']}" if r["paged"] else "contiguous",

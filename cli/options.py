@@ -1,6 +1,7 @@
 """What several commands share: integer options with the range each must lie in, the causal
-choice, the benchmark suite's options and their checks, and the --db option with the store it
-names, whose errors become clean command-line errors."""
+choice, the benchmark suite's options and their checks, the attention of current models (window,
+chunk, cap, sinks), and the --db option with the store it names, whose errors become clean
+command-line errors."""
 
 from __future__ import annotations
 
@@ -63,6 +64,20 @@ class Ints(click.ParamType):
         return numbers if self.many else numbers[0]
 
 
+class Window(Ints):
+    """LEFT,RIGHT: FlashAttention's `window_size`, two integers of at least -1 (-1: unbounded)."""
+
+    def __init__(self) -> None:
+        super().__init__(-1)
+        self.name = "window"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        sides = super().convert(value, param, ctx)
+        if len(sides) != 2:
+            self.fail(f"expected LEFT,RIGHT: two integers, each at least -1, got {value!r}", param, ctx)
+        return sides
+
+
 # Lengths, batch sizes and other counts; head dims; page sizes (0: a contiguous cache).
 COUNTS = Ints()
 COUNT = click.IntRange(min=1)
@@ -70,6 +85,15 @@ HEAD_DIMS = Ints(1, MAX_HEAD_DIM)
 HEAD_DIM = click.IntRange(1, MAX_HEAD_DIM)
 PAGE_SIZES = Ints(0, step=16)
 PAGE_SIZE = Ints(0, step=16, many=False)
+WINDOW_OPTION = click.option(
+    "--window",
+    type=Window(),
+    default="-1,-1",
+    show_default=True,
+    metavar="LEFT,RIGHT",
+    help="Sliding window, FlashAttention's window_size: each row at position p sees keys p - LEFT to "
+    "p + RIGHT (-1: unbounded; RIGHT 0 is causal; bottom-right aligned).",
+)
 
 
 def check_kv_heads(heads: int, kv_heads: int | None) -> None:
@@ -111,6 +135,36 @@ _SUITE_OPTIONS = (
         help="Key/value heads, a divisor of H (default: as many as query heads).",
     ),
 )
+
+
+_LOCAL_OPTIONS = (
+    WINDOW_OPTION,
+    click.option(
+        "--chunk",
+        type=click.IntRange(min=0),
+        default=0,
+        show_default=True,
+        help="Chunked local attention (Llama 4: 8192): each row sees only its own chunk of keys (0: none).",
+    ),
+    click.option(
+        "--softcap",
+        type=click.FloatRange(min=0),
+        default=0.0,
+        show_default=True,
+        help="Logit cap (Gemma 2: 50): scores become softcap * tanh(score / softcap) (0: none).",
+    ),
+    click.option(
+        "--sinks", is_flag=True, help="A random sink logit per query head joins each row's softmax (gpt-oss)."
+    ),
+)
+
+
+def local_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """The attention of current models as options (`Shape.featured`'s arguments): --window, --chunk,
+    --softcap, --sinks."""
+    for option in reversed(_LOCAL_OPTIONS):
+        command = option(command)
+    return command
 
 
 def suite_options(command: Callable[..., Any]) -> Callable[..., Any]:

@@ -99,3 +99,18 @@ def attended_pairs(
     pos = torch.arange(seqlen_q, dtype=torch.int64) + (seqlen_k - seqlen_q)
     lo, hi = _bounds(pos, seqlen_k, causal, left, right, chunk)
     return int((hi - lo + 1).clamp_min(0).sum())
+
+
+def keys_seen(
+    seqlen_q: int, seqlen_k: int, *, causal: bool, left: int = -1, right: int = -1, chunk: int = 0
+) -> int:
+    """How many keys at least one row sees: what a kernel that skips every key no row sees must
+    read of K and V (decode over a window reads those keys, not the whole cache). O(seqlen_q +
+    seqlen_k), never building the mask."""
+    pos = torch.arange(seqlen_q, dtype=torch.int64) + (seqlen_k - seqlen_q)
+    lo, hi = _bounds(pos, seqlen_k, causal, left, right, chunk)
+    some = hi >= lo
+    edges = torch.zeros(seqlen_k + 1, dtype=torch.int64)
+    edges.index_add_(0, lo[some], torch.ones_like(lo[some]))
+    edges.index_add_(0, hi[some] + 1, -torch.ones_like(hi[some]))
+    return int((edges.cumsum(0)[:seqlen_k] > 0).sum())

@@ -29,17 +29,24 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 PUBLIC_CALLS = {"decode": tunegen.decode_attention}
 
 
-def _implementations(names: Iterable[str], shape: Shape, device: torch.device) -> dict[str, Callable]:
+def _implementations(
+    names: Iterable[str], shape: Shape, device: torch.device, sinks: torch.Tensor | None = None
+) -> dict[str, Callable]:
+    """Each implementation as a call of (q, k, v), with `shape`'s features (`sinks`: its sink
+    logits, or None); an SDPA backend, which takes none of them, refuses a shape that has any."""
+    local = shape.call_args(sinks)
     impls: dict[str, Callable] = {}
     for name in names:
         if name == "tunegen":
-            impls[name] = lambda q, k, v, c=shape.causal: tunegen.attention(q, k, v, causal=c, strict=True)
+            impls[name] = functools.partial(tunegen.attention, causal=shape.causal, strict=True, **local)
         elif name == "tunegen-default":
-            impls[name] = _default_variant(shape.causal)
+            impls[name] = _default_variant(shape.causal, local)
         elif name == "flex":
             impls[name] = peers.flex(
-                shape.causal, (shape.batch, shape.heads, shape.seqlen, shape.head_dim), device
+                shape.causal, (shape.batch, shape.heads, shape.seqlen, shape.head_dim), device, **local
             )
+        elif name in peers.SDPA_BACKENDS and shape.features:
+            impls[name] = _refuses(f"scaled_dot_product_attention takes none of {', '.join(shape.features)}")
         elif name in peers.SDPA_BACKENDS:
             impls[name] = peers.sdpa(name, shape.causal)
         else:
@@ -49,7 +56,16 @@ def _implementations(names: Iterable[str], shape: Shape, device: torch.device) -
     return impls
 
 
-def _default_variant(causal: bool) -> Callable:
+def _refuses(reason: str) -> Callable:
+    """A call that cannot run any inputs, for `reason` (its row says n/a and why)."""
+
+    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        raise ValueError(reason)
+
+    return call
+
+
+def _default_variant(causal: bool, local: dict[str, Any]) -> Callable:
     """The prefill family's default Variant for the inputs' Problem, winners ignored: beside
     `tunegen`, it shows what tuning gained. Built on the first call, which is the untimed check."""
     from tunegen.kernels.families import base, get
@@ -57,7 +73,7 @@ def _default_variant(causal: bool) -> Callable:
     built: list[base.Kernel] = []
 
     def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        prefill_call = PrefillCall(q, k, v, causal, q.shape[-1] ** -0.5, return_lse=False)
+        prefill_call = PrefillCall.dense(q, k, v, causal=causal, **local)
         out = torch.empty_like(q)
         if not built:
             family, gpu = get("prefill"), gpu_of(q.device)
@@ -73,6 +89,34 @@ def _fits_math(shape: Shape, budget_bytes: float) -> bool:
     return shape.batch * shape.heads * shape.seqlen**2 * 6 < budget_bytes
 
 
+Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Generator]
+
+
+def prefill_inputs(shape: Shape, dtype: torch.dtype, device: torch.device, seed: int = 0) -> Inputs:
+    """Random q, k, v for `shape`, its sink logits (float32, one per query head; None without
+    sinks) and the generator its checks sample rows with."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    q, k, v = (
+        torch.randn(shape.batch, heads, shape.seqlen, shape.head_dim, generator=gen).to(device, dtype)
+        for heads in (shape.heads, shape.kv_heads, shape.kv_heads)
+    )
+    sinks = torch.randn(shape.heads, generator=gen).to(device) if shape.sinks else None
+    return q, k, v, sinks, gen
+
+
+def prefill_calls(shape: Shape, names: Iterable[str], inputs: Inputs) -> dict[str, tuple]:
+    """`check_then_time`'s calls: each implementation on `inputs` (`prefill_inputs`) with `shape`'s
+    features, checked on sampled rows against float64 with the same features."""
+    q, k, v, sinks, gen = inputs
+    local = shape.call_args(sinks)
+    check = functools.partial(
+        sampled_error, q=q, k=k, v=v, causal=shape.causal, scale=shape.head_dim**-0.5, generator=gen, **local
+    )
+    bound = TOLERANCE[DTYPE_NAMES[q.dtype]]
+    impls = _implementations(names, shape, q.device, sinks)
+    return {name: (functools.partial(fn, q, k, v), check, bound) for name, fn in impls.items()}
+
+
 def bench_prefill(
     shapes: Sequence[Shape],
     impls: Sequence[str],
@@ -81,44 +125,26 @@ def bench_prefill(
     seed: int = 0,
     on_row: Callable[[Row], None] | None = None,
 ) -> list[Row]:
-    """Check then time each implementation on each shape; failures become rows with a note."""
+    """Check then time each implementation on each shape; failures become rows with a note.
+    TFLOP/s count the (row, key) pairs each shape attends (`Shape.flops`)."""
     device = torch.device("cuda")
-    torch_dtype = DTYPES[dtype]
     gpu = cuda_gpu(torch.cuda.current_device())
     today = datetime.date.today().isoformat()
     free, _ = torch.cuda.mem_get_info()
     rows: list[Row] = []
     for shape in shapes:
-        gen = torch.Generator(device="cpu").manual_seed(seed)
-        q = torch.randn(shape.batch, shape.heads, shape.seqlen, shape.head_dim, generator=gen).to(
-            device, torch_dtype
-        )
-        k = torch.randn(shape.batch, shape.kv_heads, shape.seqlen, shape.head_dim, generator=gen).to(
-            device, torch_dtype
-        )
-        v = torch.randn(shape.batch, shape.kv_heads, shape.seqlen, shape.head_dim, generator=gen).to(
-            device, torch_dtype
-        )
-        scale = shape.head_dim**-0.5
-        flops = shape.problem(dtype).flops()
-        check = functools.partial(
-            sampled_error, q=q, k=k, v=v, causal=shape.causal, scale=scale, generator=gen
-        )
-        calls, results = {}, {}
-        for name, fn in _implementations(impls, shape, device).items():
-            if name == "sdpa-math" and not _fits_math(shape, free * 0.5):
-                results[name] = (None, None, "skipped: the N x N matrix does not fit")
-            else:
-                calls[name] = (functools.partial(fn, q, k, v), check, TOLERANCE[DTYPE_NAMES[torch_dtype]])
-        results.update(check_then_time(calls))
+        inputs = prefill_inputs(shape, DTYPES[dtype], device, seed)
+        fits = [name for name in impls if name != "sdpa-math" or _fits_math(shape, free * 0.5)]
+        results = {name: (None, None, "skipped: the N x N matrix does not fit") for name in impls}
+        results.update(check_then_time(prefill_calls(shape, fits, inputs)))
         for name in impls:
             ms, err, note = results[name]
-            tflops = rate("TFLOP/s", flops, ms) if ms else None
+            tflops = rate("TFLOP/s", shape.flops(), ms) if ms else None
             row = Row.of(name, dtype, shape, ms, tflops, err, note, gpu.name, today)
             rows.append(row)
             if on_row is not None:
                 on_row(row)
-        del q, k, v
+        del inputs
         torch.cuda.empty_cache()
     return rows
 
@@ -181,7 +207,8 @@ def credited(family: Any, problem: Problem, impl: str) -> float:
     """The work (FLOPs or bytes, in `family.measure`'s unit) implementation `impl` is credited
     with on `problem`. tunegen's kernel reads the Problem's own tensors; a peer runs on their
     16-bit values (a family's case hands the peers an FP8 Problem's inputs dequantized), so over
-    an FP8 KV cache a peer reads 2 bytes an element, not the kernel's 1."""
+    an FP8 KV cache a peer reads 2 bytes an element, not the kernel's 1. Decode under a window or
+    chunk is credited with the keys some query sees, as the family's measure counts them."""
     return family.measure(problem if impl == "tunegen" else dataclasses.replace(problem, fp8=False))[1]
 
 
@@ -196,7 +223,7 @@ def eager_and_graph(
     from tunegen.kernels.families import get
 
     family = get(problem.family)
-    _, work = family.measure(problem)
+    work = credited(family, problem, "tunegen")
     l2 = torch.cuda.get_device_properties(device).L2_cache_size
     sets = max(1, min(8, math.ceil(2 * l2 / work)))
     cases = [case] + [family.case(problem, kernel, device, seed + i) for i in range(1, sets)]

@@ -27,11 +27,13 @@ def _matmul_tflops(dtype: torch.dtype, size: int) -> float:
     return 2.0 * size**3 / ms / 1e9
 
 
-def _copy_tbps(megabytes: int) -> float:
-    src = torch.randn(megabytes * 2**18, device="cuda")
+def copy_gbps(nbytes: int) -> float:
+    """GB/s of a device-to-device copy of `nbytes` (bytes read plus bytes written), timed as every
+    kernel is: the ceiling of a kernel that reads those bytes once."""
+    src = torch.randn(max(1, nbytes // 4), device="cuda")
     dst = torch.empty_like(src)
     ms = median_ms(lambda: dst.copy_(src))
-    return 2.0 * src.numel() * src.element_size() / ms / 1e9
+    return 2.0 * src.numel() * src.element_size() / ms / 1e6
 
 
 def measure(size: int = 8192, megabytes: int = 2048) -> dict[str, Any]:
@@ -45,7 +47,7 @@ def measure(size: int = 8192, megabytes: int = 2048) -> dict[str, Any]:
     return {
         "gpu": gpu.name,
         "matmul_tflops": peaks,
-        "copy_tbps": _copy_tbps(megabytes),
+        "copy_tbps": copy_gbps(megabytes * 2**20) / 1e3,
         "source": (
             f"tunegen bench ceilings on {gpu.name}, Triton {triton.__version__}, torch {torch.__version__}, "
             f"{datetime.date.today().isoformat()}: {size}^3 matmul, {megabytes} MiB copy"

@@ -16,6 +16,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from tunegen.kernels.masks import attended_pairs
+
 # What each of bench fp8's prefill implementations computes in, for the plots' legends.
 FP8_PREFILL = {
     "tunegen-fp8": "e4m3 inputs, bf16 output",
@@ -77,6 +79,8 @@ class Measurement:
     torch: str
     date: str
     source: str = ""
+    # A window's sides and chunk (tunegen.kernels.masks), where the row has them.
+    local: tuple[int, int, int] = (-1, -1, 0)
 
     @property
     def seqlen(self) -> int:
@@ -85,9 +89,14 @@ class Measurement:
 
     @property
     def flops(self) -> float:
-        """FlashAttention's count: 4·B·H·Nq·Nk·D forward, halved for causal, 2.5x for backward."""
+        """FlashAttention's count: 4·B·H·Nq·Nk·D forward, halved for causal, 2.5x for backward;
+        under a window or chunk, 4·B·H·D per (row, key) pair attended, as the bench counts."""
         flops = 4.0 * self.batch * self.heads_q * self.seqlen_q * self.seqlen_k * self.head_dim
         flops /= 2 if self.causal and self.family != "decode" else 1
+        if self.local != (-1, -1, 0):
+            sides = dict(zip(("left", "right", "chunk"), self.local, strict=True))
+            pairs = attended_pairs(self.seqlen_q, self.seqlen_k, causal=self.causal, **sides)
+            flops = 4.0 * self.batch * self.heads_q * self.head_dim * pairs
         return flops * (BACKWARD_FLOPS if self.family == "backward" else 1)
 
     @property
@@ -152,6 +161,10 @@ def measurement(row: dict[str, Any], source: str = "") -> Measurement:
             torch=str(row["torch"]),
             date=str(row["date"]),
             source=source,
+            local=tuple(
+                int(d if _number(row.get(k)) is None else _number(row.get(k)))
+                for k, d in (("window_left", -1), ("window_right", -1), ("attention_chunk", 0))
+            ),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"results: a row is not one `tunegen bench` writes ({exc!r}): {row}") from None

@@ -21,7 +21,8 @@ from tunegen.tuning.timing import interleaved_ms
 
 @dataclasses.dataclass
 class Row:
-    """One (shape, implementation) measurement."""
+    """One (shape, implementation) measurement; `tflops` counts the (row, key) pairs attended
+    (`Shape.flops`)."""
 
     impl: str
     dtype: str
@@ -31,6 +32,11 @@ class Row:
     seqlen: int
     head_dim: int
     causal: bool
+    window_left: int
+    window_right: int
+    attention_chunk: int
+    softcap: float
+    sinks: bool
     ms: float | None
     tflops: float | None
     rel_err: float | None
@@ -53,7 +59,8 @@ class Row:
         gpu: str,
         date: str,
     ) -> Row:
-        """The row of `impl` on `shape`, with the Triton and PyTorch versions of this run."""
+        """The row of `impl` on `shape` (its features included), with the Triton and PyTorch
+        versions of this run."""
         return cls(
             impl,
             dtype,
@@ -63,6 +70,11 @@ class Row:
             shape.seqlen,
             shape.head_dim,
             shape.causal,
+            shape.window_left,
+            shape.window_right,
+            shape.attention_chunk,
+            shape.softcap,
+            shape.sinks,
             ms,
             tflops,
             err,

@@ -1,17 +1,26 @@
 """The benchmark suites: the FlashAttention papers' prefill shapes (as SDPA-style Shapes, and as
-backward Problems), and one-token decode Problems over bf16 and FP8 caches."""
+backward Problems), and one-token decode Problems over bf16 and FP8 caches; either with the
+attention of current models (window, chunks, cap, sinks) where asked."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
+import torch
+
+from tunegen.kernels.masks import normalize_local
 from tunegen.kernels.problem import Problem
 
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    """One benchmark case in SDPA's (batch, heads, seqlen, head_dim) terms."""
+    """One benchmark case in SDPA's (batch, heads, seqlen, head_dim) terms, with the attention of
+    current models in FlashAttention's conventions (tunegen.kernels.masks), canonical (`featured`):
+    a window of `window_left` keys before each row and `window_right` after (-1: unbounded), chunks
+    of `attention_chunk` keys (0: none), the logit cap `softcap` (0: none), and `sinks`, whether
+    one random logit per query head joins each row's softmax."""
 
     batch: int
     heads: int
@@ -19,9 +28,59 @@ class Shape:
     seqlen: int
     head_dim: int
     causal: bool
+    window_left: int = -1
+    window_right: int = -1
+    attention_chunk: int = 0
+    softcap: float = 0.0
+    sinks: bool = False
+
+    def featured(
+        self,
+        window_size: tuple[int, int] = (-1, -1),
+        attention_chunk: int = 0,
+        softcap: float = 0.0,
+        sinks: bool = False,
+    ) -> Shape:
+        """This shape with the features, the mask in its canonical form (`normalize_local`: a
+        window wider than the sequence is dropped, a right side of 0 is causal), as tunegen
+        dispatches it."""
+        causal, left, right, chunk = normalize_local(
+            self.causal, *window_size, attention_chunk, self.seqlen, self.seqlen
+        )
+        return dataclasses.replace(
+            self,
+            causal=causal,
+            window_left=left,
+            window_right=right,
+            attention_chunk=chunk,
+            softcap=float(softcap),
+            sinks=sinks,
+        )
+
+    @property
+    def features(self) -> dict[str, object]:
+        """The features off their defaults, by the public calls' names (empty: a plain shape)."""
+        named = {
+            "window_size": (self.window_left, self.window_right),
+            "attention_chunk": self.attention_chunk,
+            "softcap": self.softcap,
+            "sinks": self.sinks,
+        }
+        plain = {"window_size": (-1, -1), "attention_chunk": 0, "softcap": 0.0, "sinks": False}
+        return {name: value for name, value in named.items() if value != plain[name]}
+
+    def call_args(self, sinks: torch.Tensor | None) -> dict[str, object]:
+        """`features` as `tunegen.attention`, the peers and the reference take them, `sinks` the
+        tensor (heads,) drawn for this shape. Only those off their defaults: a plain shape's call
+        is the plain call, with its fast path."""
+        args = dict(self.features)
+        if self.sinks:
+            args["sinks"] = sinks
+        return args
 
     def flops(self) -> float:
-        """Forward FLOPs at this Shape's exact sizes (its Problem holds their buckets)."""
+        """Forward FLOPs at this Shape's exact sizes (its Problem holds their buckets), counted on
+        the (row, key) pairs attended: a window or chunk counts what it leaves, exactly."""
         return self.problem("bfloat16").flops(self.seqlen, self.seqlen, self.batch)
 
     def problem(self, dtype: str) -> Problem:
@@ -35,6 +94,11 @@ class Shape:
             batch=self.batch,
             seqlen_q=self.seqlen,
             seqlen_k=self.seqlen,
+            window_left=self.window_left,
+            window_right=self.window_right,
+            attention_chunk=self.attention_chunk,
+            softcap=self.softcap > 0,
+            sinks=self.sinks,
         )
 
 
@@ -45,15 +109,20 @@ def prefill_suite(
     tokens: int = 16384,
     hidden: int = 2048,
     kv_heads: int | None = None,
+    **features: Any,
 ) -> list[Shape]:
-    """The FlashAttention papers' suite: `tokens` per batch (B = tokens / N), `hidden` = H · D."""
+    """The FlashAttention papers' suite: `tokens` per batch (B = tokens / N), `hidden` = H · D;
+    `features` (`Shape.featured`'s arguments) apply to every shape, and shapes they make alike
+    (a right side of 0 makes both masks causal) appear once."""
     shapes = []
     for d in head_dims:
         for c in causal:
             for n in seqlens:
                 heads = hidden // d
-                shapes.append(Shape(max(1, tokens // n), heads, kv_heads or heads, n, d, c))
-    return shapes
+                shapes.append(
+                    Shape(max(1, tokens // n), heads, kv_heads or heads, n, d, c).featured(**features)
+                )
+    return list(dict.fromkeys(shapes))
 
 
 def backward_suite(
@@ -79,26 +148,31 @@ def decode_suite(
     head_dim: int = 128,
     page_sizes: Sequence[int] = (0, 64),
     dtype: str = "bfloat16",
+    window_size: tuple[int, int] = (-1, -1),
 ) -> list[Problem]:
-    """One-token decode Problems: each batch, cache length and layout (page size 0: contiguous)."""
-    return [
-        Problem.of(
-            family="decode",
-            dtype=dtype,
-            head_dim=head_dim,
-            causal=True,
-            num_heads_q=heads,
-            num_heads_kv=kv_heads,
-            batch=b,
-            seqlen_q=1,
-            seqlen_k=n,
-            paged=page > 0,
-            page_size=page,
-        )
-        for b in batches
-        for n in cache_lengths
-        for page in page_sizes
-    ]
+    """One-token decode Problems: each batch, cache length and layout (page size 0: contiguous),
+    with a sliding `window_size` (FlashAttention's; canonical at the cache the case builds, the
+    length's bucket, so a window that holds the whole cache is the plain Problem)."""
+    problems = []
+    for b in batches:
+        for n in cache_lengths:
+            for page in page_sizes:
+                plain = Problem.of(
+                    family="decode",
+                    dtype=dtype,
+                    head_dim=head_dim,
+                    causal=True,
+                    num_heads_q=heads,
+                    num_heads_kv=kv_heads,
+                    batch=b,
+                    seqlen_q=1,
+                    seqlen_k=n,
+                    paged=page > 0,
+                    page_size=page,
+                )
+                _, left, right, _ = normalize_local(True, *window_size, 0, 1, plain.seqlen_k)
+                problems.append(dataclasses.replace(plain, window_left=left, window_right=right))
+    return problems
 
 
 def fp8_decode_suite(
