@@ -1,9 +1,9 @@
 """How commands print a Variant and a Winner's speed, each on one line (a Problem: `problem_text`
-in tunegen.kernels.problem, which the tuner's timeline shares)."""
+in tunegen.kernels.problem, which the tuner's timeline shares), and where a tuning run's time went."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tunegen.tuning_db import WinnerRecord
@@ -25,3 +25,25 @@ def speed(w: WinnerRecord, ms: float | None = None) -> str:
     if w.gbps:
         return f"{w.gbps * scale:.0f} GB/s"
     return "-"
+
+
+def where_time_went(rows: list[dict]) -> Any:
+    """The timeline's summary as a table: per GPU, how busy its GPU and compile workers were."""
+    from rich.table import Table
+
+    table = Table(title="where each GPU's time went")
+    for col in ("gpu", "wall", "GPU busy", "on the GPU", "compile workers busy", "waiting", "trials"):
+        table.add_column(col)
+    for row in rows:
+        kinds = ", ".join(f"{k} {v:.0f} s" for k, v in sorted(row["gpu_s_by_kind"].items()))
+        waits = ", ".join(f"{k} {v:.0f} s" for k, v in row["waits_s"].items() if v >= 0.5) or "-"
+        table.add_row(
+            row["gpu"],
+            f"{row['wall_s']:.0f} s",
+            f"{row['gpu_busy']:.0%}",
+            kinds or "-",
+            f"{row['compile_busy']:.0%} of {row['compile_workers']}",
+            waits,
+            f"{row['trials_timed']} timed, {row['trials_compiled']} compiled",
+        )
+    return table

@@ -9,8 +9,8 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from tunegen.cli.options import CAUSAL, COUNT, COUNTS, PAGE_SIZE, db_option
-from tunegen.cli.text import speed, variant_text
+from tunegen.cli.options import CAUSAL, COUNT, COUNTS, PAGE_SIZE, db_option, local_options
+from tunegen.cli.text import speed, variant_text, where_time_went
 from tunegen.kernels.problem import problem_text
 
 # Compile workers per GPU by default (--workers).
@@ -22,15 +22,20 @@ PER_GPU_WORKERS = 16
     "--preset",
     "preset_names",
     multiple=True,
-    help="Model family to tune for (repeatable): llama3-8b, llama3-70b, mistral-7b, qwen2.5-7b, gpt2.",
+    help="Model to tune for, each kind of attention layer it has (repeatable): llama3-8b, llama3-70b, "
+    "mistral-7b (v0.2 and v0.3: no window), mistral-7b-v0.1 (window 4096), qwen2.5-7b, gpt2, gemma2-2b, "
+    "gemma2-9b, gemma2-27b, gemma3-1b, gemma3-4b, gemma3-12b, gemma3-27b, gpt-oss-20b, gpt-oss-120b, "
+    "llama4-scout.",
 )
 @click.option(
     "--shape",
     "shapes",
     multiple=True,
     metavar="HEADS,KV_HEADS,HEAD_DIM",
-    help="An explicit attention shape (repeatable), e.g. 32,8,128.",
+    help="An explicit attention shape (repeatable), e.g. 32,8,128; --window, --chunk, --softcap and --sinks "
+    "give it a feature of current models (a cap's value is an argument: Winners serve any).",
 )
+@local_options
 @click.option(
     "--family", type=click.Choice(["prefill", "decode", "backward"]), default="prefill", show_default=True
 )
@@ -123,6 +128,10 @@ PER_GPU_WORKERS = 16
 def tune(
     preset_names,
     shapes,
+    window,
+    chunk,
+    softcap,
+    sinks,
     family,
     dtype,
     causal,
@@ -142,7 +151,9 @@ def tune(
     fp8,
     db_url,
 ) -> None:
-    """Find the fastest correct Variant for each Problem on this GPU and record it as the Winner."""
+    """Find the fastest correct Variant for each Problem (each kind of attention layer of each model,
+    at each length) on this GPU and record it as the Winner; a Problem its family does not build is
+    skipped, with the reason."""
     import os
     import time
 
@@ -150,7 +161,8 @@ def tune(
     from tunegen.tuning import ranks as placement
 
     models = [_parsed(presets.preset, n, "--preset") for n in preset_names]
-    models += [_parsed(presets.parse_shape, s, "--shape") for s in shapes]
+    layer = _layer(presets, window, chunk, softcap, sinks, bool(shapes))
+    models += [_parsed(lambda text: presets.parse_shape(text, layer), s, "--shape") for s in shapes]
     if not models:
         models = [presets.preset("llama3-8b")]
     _refuse_what_does_not_apply(family, causal, fp8)
@@ -281,7 +293,7 @@ def tune(
         table.add_row(
             *([where[gpu]] if len(ranks) > 1 else []),
             problem_text(o.problem.as_dict()),
-            variant_text(w) if w else "none found",
+            variant_text(w) if w else (f"skipped: {o.skipped}" if o.skipped else "none found"),
             speed(w) if w else "-",
             f"{w.peer_name} {speed(w, w.peer_ms)}" if w and w.peer_ms else "-",
             f"{w.speedup:.2f}x" if w and w.speedup else "-",
@@ -293,32 +305,10 @@ def tune(
     console.print(table)
     if timeline or len(ranks) > 1:
         ended = time.time()
-        console.print(_where_time_went(timelines.summary(spans, launched, ended)))
+        console.print(where_time_went(timelines.summary(spans, launched, ended)))
         if timeline:
             timelines.write(timeline, spans, launched, ended)
             console.print(f"timeline written to {timeline}")
-
-
-def _where_time_went(rows: list[dict]) -> Any:
-    """The timeline's summary as a table: per GPU, how busy its GPU and compile workers were."""
-    from rich.table import Table
-
-    table = Table(title="where each GPU's time went")
-    for col in ("gpu", "wall", "GPU busy", "on the GPU", "compile workers busy", "waiting", "trials"):
-        table.add_column(col)
-    for row in rows:
-        kinds = ", ".join(f"{k} {v:.0f} s" for k, v in sorted(row["gpu_s_by_kind"].items()))
-        waits = ", ".join(f"{k} {v:.0f} s" for k, v in row["waits_s"].items() if v >= 0.5) or "-"
-        table.add_row(
-            row["gpu"],
-            f"{row['wall_s']:.0f} s",
-            f"{row['gpu_busy']:.0%}",
-            kinds or "-",
-            f"{row['compile_busy']:.0%} of {row['compile_workers']}",
-            waits,
-            f"{row['trials_timed']} timed, {row['trials_compiled']} compiled",
-        )
-    return table
 
 
 def _given(name: str) -> bool:
@@ -333,6 +323,20 @@ def _parsed(parse: Callable[[str], Any], text: str, option: str) -> Any:
         return parse(text)
     except ValueError as exc:
         raise click.BadParameter(str(exc).split(": ", 1)[-1], param_hint=option) from None
+
+
+def _layer(
+    presets: Any, window: tuple[int, int], chunk: int, softcap: float, sinks: bool, shapes: bool
+) -> Any:
+    """The layer kind that --window, --chunk, --softcap and --sinks give each --shape; refused
+    without a --shape (a preset carries its model's own)."""
+    for name in ("window", "chunk", "softcap", "sinks"):
+        if _given(name) and not shapes:
+            raise click.BadParameter(
+                "adds a feature to each --shape; a --preset carries its model's own layer kinds",
+                param_hint=f"--{name}",
+            )
+    return presets.LayerKind(*window, chunk, softcap > 0, sinks)
 
 
 def _refuse_what_does_not_apply(family: str, causal: str, fp8: bool) -> None:

@@ -12,16 +12,18 @@ from click.testing import CliRunner
 from tunegen.cli.main import main
 from tunegen.kernels.database import gpu_record
 from tunegen.kernels.families import get
+from tunegen.kernels.families.base import unrendered
 from tunegen.kernels.problem import Problem
-from tunegen.measure.doctor import current_gpu
+from tunegen.measure.doctor import SUITES, current_gpu
 from tunegen.tuning.presets import PRESETS, problems
 from tunegen.tuning_db import Store, WinnerRecord
 
 
 def suite(family: str = "prefill", fp8: bool = False) -> list[Problem]:
-    """The preset Problems doctor counts for a family: every preset, causal and not, and
-    `tunegen tune`'s default lengths and decode batch sizes."""
-    return problems(list(PRESETS.values()), causal=(False, True), family=family, fp8=fp8)
+    """The preset Problems doctor counts for a family: every preset's layer kinds the family
+    renders, causal and not, and `tunegen tune`'s default lengths and decode batch sizes."""
+    every = problems(list(PRESETS.values()), causal=(False, True), family=family, fp8=fp8)
+    return [p for p in every if unrendered(get(family), p) is None]
 
 
 def record(url: str, problem: Problem, triton_version: str | None = None) -> None:
@@ -113,7 +115,7 @@ def test_doctor_counts_each_family_with_winners(user_db):
     assert dispatch_lines(doctor()) == [
         f"decode, every preset, B = 1, 16, 64, cache length 1024, 4096, 16384, bf16: "
         f"1 tuned, 1 nearest bucket, {len(decode) - 2} default Variant",
-        f"backward, every preset, causal and not, N = 1024, 4096, 16384, bf16: "
+        f"backward, every preset's layers it renders, causal and not, N = 1024, 4096, 16384, bf16: "
         f"0 tuned, 2 nearest bucket, {len(backward) - 2} default Variant",
         f"FP8 prefill (e4m3 inputs, bf16 output), every preset, causal and not, N = 1024, 4096, 16384: "
         f"2 tuned, 0 nearest bucket, {len(fp8) - 2} default Variant",
@@ -122,7 +124,7 @@ def test_doctor_counts_each_family_with_winners(user_db):
     record(user_db, dataclasses.replace(suite("decode", fp8=True)[0], batch=2))
     assert dispatch_lines(doctor())[-1] == (
         "decode over an e4m3 KV cache, every preset, B = 1, 16, 64, cache length 1024, 4096, 16384, "
-        "bf16 queries: 0 tuned, 3 nearest bucket, 33 default Variant"
+        f"bf16 queries: 0 tuned, 3 nearest bucket, {len(suite('decode', fp8=True)) - 3} default Variant"
     )
 
 
@@ -174,3 +176,15 @@ def test_doctor_reports_rows_it_cannot_serve_and_counts_the_rest(tmp_path):
     text = doctor("--db", url)
     assert "unusable   2 stored rows this tunegen cannot serve (skipped):" in text
     assert "missing fields ['family']" in text
+
+
+def test_doctor_counts_the_layer_kinds_of_current_models_each_family_renders(monkeypatch):
+    """Every suite holds the presets' layer kinds (gpt-oss's window and sinks at N = 16384, its
+    sliding layers causal only: their window's right side is 0), and none a family does not render."""
+    prefill = SUITES["prefill"].problems()
+    assert any(p.window_left == 127 and p.sinks and p.seqlen_q == 16384 for p in prefill)
+    assert all(p.causal for p in prefill if p.window_left >= 0 or p.attention_chunk)
+    monkeypatch.setattr(type(get("backward")), "model_features", frozenset())
+    backward = SUITES["backward"].problems()
+    assert backward and not any(p.model_features for p in backward)
+    assert len(backward) == len([p for p in prefill if not p.model_features])

@@ -35,6 +35,13 @@ REFUSED = [
     ([*TUNE, "--trials", "40"], "--trials", "a dry run (no GPU, or --dry-run) evaluates at most 4"),
     ([*TUNE[:2], "--preset", "llama9"], "--preset", "expected one of"),
     ([*TUNE[:2], "--shape", "6,4,64"], "--shape", "heads must be a multiple of kv_heads"),
+    ([*TUNE[:2], "--preset", "gemma2-9b", "--sinks"], "--sinks", "adds a feature to each --shape"),
+    ([*TUNE[:2], "--window", "127,0"], "--window", "adds a feature to each --shape"),
+    ([*TUNE[:2], "--chunk", "8192"], "--chunk", "a --preset carries its model's own layer kinds"),
+    ([*TUNE, "--window", "-2,0"], "--window", "each at least -1, got -2"),
+    ([*TUNE, "--window", "127"], "--window", "expected LEFT,RIGHT"),
+    ([*TUNE, "--chunk", "-8"], "--chunk", "-8 is not in the range x>=0"),
+    ([*TUNE, "--softcap", "-1"], "--softcap", "not in the range x>=0"),
     # render
     (["render", "prefill", "--heads", "0"], "--heads", "0 is not in the range"),
     (["render", "prefill", "--heads", "8", "--kv-heads", "3"], "--kv-heads", "a divisor of the query heads"),

@@ -15,13 +15,16 @@ import triton
 from tunegen.kernels import releases, snapshot
 from tunegen.kernels.database import database_url, gpu_record, open_store, unusable
 from tunegen.kernels.dispatch import select
+from tunegen.kernels.families import get
+from tunegen.kernels.families.base import unrendered
 from tunegen.kernels.gpu import Gpu, cuda_gpu, driver_version, interpreter_gpu
 from tunegen.kernels.problem import Problem
 from tunegen.tuning.presets import PRESETS, problems
 from tunegen.tuning_db import TuningDbError, head_revision, shipped_store
 
 # `tunegen tune`'s default sequence lengths and decode batch sizes: each suite below counts, for
-# every preset and causal and not, the Problems that `tunegen tune --family F [--fp8]` covers.
+# every preset's layer kinds and causal and not, the Problems that `tunegen tune --family F [--fp8]`
+# tunes.
 SEQLENS = (1024, 4096, 16384)
 BATCHES = (1, 16, 64)
 _NS = ", ".join(map(str, SEQLENS))
@@ -39,18 +42,23 @@ class Suite:
     description: str
 
     def problems(self) -> list[Problem]:
-        """Every preset's Problems for this family, causal and not where the family has both."""
+        """Every preset's Problems for this family (one per layer kind its templates render: the
+        tuner skips the others and no call reaches dispatch with them), causal and not where the
+        family has both."""
         models = list(PRESETS.values())
-        return problems(
+        every = problems(
             models, causal=(False, True), seqlens=SEQLENS, batches=BATCHES, family=self.family, fp8=self.fp8
         )
+        return [p for p in every if unrendered(get(self.family), p) is None]
 
 
 # By the key a Winner's family and FP8 flag give (`family_key`), in the order the report lists them.
 SUITES = {
     "prefill": Suite("prefill", False, "prefill", f"every preset, causal and not, N = {_NS}, bf16"),
     "decode": Suite("decode", False, "decode", f"every preset, B = {_BS}, cache length {_NS}, bf16"),
-    "backward": Suite("backward", False, "backward", f"every preset, causal and not, N = {_NS}, bf16"),
+    "backward": Suite(
+        "backward", False, "backward", f"every preset's layers it renders, causal and not, N = {_NS}, bf16"
+    ),
     "prefill-fp8": Suite(
         "prefill", True, "FP8 prefill (e4m3 inputs, bf16 output)", f"every preset, causal and not, N = {_NS}"
     ),

@@ -41,7 +41,8 @@ SETTLE_ROUNDS = 3
 
 @dataclasses.dataclass(frozen=True)
 class Outcome:
-    """What tuning one Problem on one Gpu produced."""
+    """What tuning one Problem on one Gpu produced; `skipped`: why it was not tuned (its family
+    builds no kernel for it), None where it was."""
 
     problem: Problem
     gpu: Gpu
@@ -51,6 +52,7 @@ class Outcome:
     failed: int
     found_at: int | None
     wall_s: float
+    skipped: str | None = None
 
 
 class FinalRound:

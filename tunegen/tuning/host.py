@@ -30,6 +30,8 @@ from typing import Any
 
 from tunegen.kernels.database import database_url, open_store
 from tunegen.kernels.environ import environment
+from tunegen.kernels.families import get
+from tunegen.kernels.families.base import unrendered
 from tunegen.kernels.gpu import Gpu
 from tunegen.kernels.problem import Problem
 from tunegen.tuning import study as studies
@@ -334,7 +336,33 @@ def tune_on(
 
     SIGINT (Ctrl-C) or SIGTERM stops the run: every process gives the trials it holds back to the
     study (failed, their Variants queued again) and exits, and `Interrupted` is raised here, so a
-    rerun resumes at once rather than after the heartbeat's grace period."""
+    rerun resumes at once rather than after the heartbeat's grace period.
+
+    A Problem whose family builds no kernel for it (features its templates do not render) is
+    skipped, with the reason in its Outcome, before any process starts."""
+    skips = {j: unrendered(get(p.family), p) for j, p in enumerate(problems)}
+    tuned = [j for j, reason in skips.items() if reason is None]
+    outcomes = {}
+    for gpu in dict.fromkeys(r.gpu for r in ranks):
+        for j, reason in skips.items():
+            if reason is not None:
+                outcomes[(gpu, j)] = Outcome(problems[j], gpu, None, None, 0, 0, None, 0.0, skipped=reason)
+                finished(gpu, j, outcomes[(gpu, j)])
+    if tuned:
+        found = _tune_on(
+            [problems[j] for j in tuned],
+            ranks,
+            options,
+            lambda gpu, i, state: progress(gpu, tuned[i], state),
+            lambda gpu, i, outcome: finished(gpu, tuned[i], outcome),
+            record,
+        )
+        outcomes.update({(gpu, tuned[i]): outcome for (gpu, i), outcome in found.items()})
+    return outcomes
+
+
+def _tune_on(problems, ranks, options, progress, finished, record) -> dict[tuple[Gpu, int], Outcome]:
+    """`tune_on` for Problems that each family builds."""
     with raising():
         if len(ranks) > 1 or ranks[0].visible is not None:
             return _Host(problems, ranks, options, progress, finished, record).run()
