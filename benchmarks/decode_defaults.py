@@ -109,8 +109,10 @@ def main() -> None:
         "date": datetime.date.today().isoformat(),
     }
     rows = []
-    for problem in decode_suite(args.batches, args.cache_lengths, page_sizes=args.page_sizes):
-        problem = dataclasses.replace(problem, window_left=args.window)
+    window = (args.window, -1)
+    for problem in decode_suite(
+        args.batches, args.cache_lengths, page_sizes=args.page_sizes, window_size=window
+    ):
         unit, work = decode.FAMILY.measure(problem)
         q, keys, values, seqlens, table, ref = inputs(problem, torch.Generator("cuda").manual_seed(0))
         tensors = (q, keys, values, seqlens)

@@ -127,9 +127,9 @@ def _launch_key(q, k_cache, v_cache, cache_seqlens, block_table, k, v, k_descale
 
 
 def _local_key(key: tuple, window_size, attention_chunk, softcap, sinks) -> tuple | None:
-    """A launch key with the features of current models: their values as passed (exact types, so
-    that values the checks passed once pass again) and the sinks by layout; None where they are of
-    a kind no key holds (the checks then name what is wrong)."""
+    """A launch key with the features of current models: their values as passed (a tuple of two
+    ints, an int, an int or float: values the checks passed once pass again) and the sinks by
+    layout; None where they are of another kind (those calls take the checked path every time)."""
     window_ok = type(window_size) is tuple and len(window_size) == 2
     if not window_ok or any(type(w) is not int for w in window_size):
         return None

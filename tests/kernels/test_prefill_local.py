@@ -125,6 +125,22 @@ def test_blocks_no_row_sees_are_not_read(device, causal, window, chunk, unseen):
     assert rel_err(out, ref) < REL_TOL[dtype]
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_float32_keeps_float32_accuracy_under_the_cap(device, causal):
+    """The cap takes the GPU's tanh.approx only for 16-bit inputs: its 2^-11 would cost float32
+    twenty times its own error (scores scaled up so that the cap bends them)."""
+    gen = torch.Generator().manual_seed(11)
+    q = randn(2, 4, 77, 24, dtype=torch.float32, device=device, gen=gen) * 4
+    k, v = (randn(2, 2, 90, 24, dtype=torch.float32, device=device, gen=gen) for _ in range(2))
+    ref, ref_lse = attention_reference(q, k, v, causal=causal, scale=0.4, softcap=10.0)
+    call = PrefillCall(q, k, v, causal, 0.4, True)
+    problem = Problem("prefill", "float32", 24, causal, 4, 2, 2, 77, 90, softcap=True)
+    variant = prefill.FAMILY.default_variant(problem, gpu_of(q.device))
+    out, lse = _run(variant, call, (-1, -1), 0, 10.0, None)
+    assert rel_err(out, ref) < REL_TOL[torch.float32]
+    assert_lse(lse, ref_lse, torch.float32)
+
+
 def test_fp8_refuses_the_features_by_name():
     """The Hopper schedule renders them too (test_prefill_ws_local.py); FP8 prefill does not."""
     problem = Problem("prefill", "bfloat16", 128, True, 16, 4, 2, 4096, 4096, window_left=4095, fp8=True)

@@ -28,7 +28,7 @@ VARIANTS = [
     WS,
     dataclasses.replace(WS, overlap=False, pingpong=True, **DYNAMIC, order="grouped", reverse_m=True),
     dataclasses.replace(WS, consumers=3, overlap=False, pingpong=True, block_n=64, **DYNAMIC),
-    dataclasses.replace(PAIR, block_m=128, num_stages=3, **DYNAMIC),
+    dataclasses.replace(PAIR, block_m=128, num_stages=3, **DYNAMIC, order="grouped", reverse_m=True),
     dataclasses.replace(WS, consumers=1, persistent=True, order="head_inner"),
 ]
 INSTALLED = dataclasses.replace(H100, triton_version=triton.__version__)
@@ -123,7 +123,16 @@ def test_features_against_float64(name, d):
         sinks = randn(4, dtype=torch.float32, device="cuda", gen=gen) if with_sinks else None
         local = {"window_size": window, "attention_chunk": chunk, "softcap": softcap, "sinks": sinks}
         ref, ref_lse = _reference(q, k, v, causal, **local)
-        problem = dataclasses.replace(PLAIN, head_dim=d, causal=causal)
+        problem = dataclasses.replace(
+            PLAIN,
+            head_dim=d,
+            causal=causal,
+            window_left=window[0],
+            window_right=window[1],
+            attention_chunk=chunk,
+            softcap=softcap > 0,
+            sinks=with_sinks,
+        )
         for variant in VARIANTS:
             if prefill.FAMILY.constraint(variant, problem, INSTALLED):
                 continue

@@ -15,7 +15,13 @@ from tunegen.kernels.families.backward_ws import (
     ws_constraint,
     ws_default,
 )
-from tunegen.kernels.families.operands import block_d, check_descriptors, dot_precision, load_paths
+from tunegen.kernels.families.operands import (
+    approx_tanh,
+    block_d,
+    check_descriptors,
+    dot_precision,
+    load_paths,
+)
 from tunegen.kernels.gpu import Gpu
 from tunegen.kernels.problem import MODEL_FEATURES, Problem
 from tunegen.kernels.variant import Variant
@@ -236,6 +242,7 @@ class BackwardFamily:
         }
         if problem.model_features:
             features.update({name: getattr(problem, name) for name in MODEL_FEATURES})
+            features["approx_tanh"] = approx_tanh(problem, gpu)
         return features
 
     def check_variant(self, variant: Variant, problem: Problem, gpu: Gpu) -> None:

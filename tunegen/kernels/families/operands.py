@@ -41,3 +41,10 @@ def load_paths(problem: Problem, gpu: Gpu) -> list[str]:
     except ValueError:
         return ["ptr"]
     return ["ptr", "desc"]
+
+
+def approx_tanh(problem: Problem, gpu: Gpu) -> bool:
+    """Whether the cap (`softcap`) takes the GPU's tanh.approx, one special-function operation:
+    16-bit inputs on a CUDA GPU, whose P it is precise enough for (2^-11), not float32's. Forward
+    and backward alike, so that the backward's P matches the forward's log-sum-exp."""
+    return gpu.backend == "cuda" and problem.dtype != "float32"

@@ -7,7 +7,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-from tunegen.kernels.families.operands import block_d, check_descriptors, dot_precision, load_paths
+from tunegen.kernels.families.operands import (
+    approx_tanh,
+    block_d,
+    check_descriptors,
+    dot_precision,
+    load_paths,
+)
 from tunegen.kernels.families.prefill_ws import (
     PERSISTENT_KNOBS,
     REGISTER_FILE,
@@ -271,7 +277,7 @@ class PrefillFamily:
             "attention_chunk": problem.attention_chunk,
             "softcap": problem.softcap,
             "sinks": problem.sinks,
-            "ptx": gpu.backend == "cuda",
+            "approx_tanh": approx_tanh(problem, gpu),
         }
 
     def check_variant(self, variant: Variant, problem: Problem, gpu: Gpu) -> None:
@@ -314,7 +320,7 @@ class PrefillFamily:
             "num_stages": stages,
             "causal_split": [True],
             "load": loads,
-            "order": list(ORDERS) if problem.causal else ["m_inner"],
+            "order": list(ORDERS) if problem.causal or problem.local else ["m_inner"],
             "reverse_m": [False, True] if problem.causal else [False],
             "l2_share": [2, 8] if problem.causal else [2],
             "p_fp8": [True, False] if problem.fp8 else [True],

@@ -32,9 +32,10 @@ def check_ws(problem: Problem, gpu: Gpu, fallback: str = "fa2") -> None:
     """Where schedule "ws" runs: Hopper's wgmma and TMA (sm_90; not the interpreter, which cannot
     run Gluon), Gluon as of Triton 3.6, 16-bit inputs or FP8 (at the head dims where the release
     compiles it without spilling, `Release.ws_fp8_head_dims`) whose rows TMA can address, head dims
-    its register budget was sized for, and dense batches (current models' features included, but
-    for FP8: `check_ws_variant`). The errors name the family's other
-    schedule, `fallback`, which runs the rest (the backward family's is "loops")."""
+    its register budget was sized for, and dense batches (with current models' features too, as
+    `check_ws_variant` says; FP8 renders none of them: `Family.fp8_model_features`). The errors
+    name the family's other schedule, `fallback`, which runs the rest (the backward family's is
+    "loops")."""
     if gpu.backend != "cuda" or gpu.capability != (9, 0):
         where = "Triton's interpreter" if gpu.backend == "interpreter" else f"{gpu.name} {gpu.capability}"
         raise ValueError(f"variant.schedule: 'ws' needs a Hopper GPU (sm_90), not {where}")
@@ -95,13 +96,14 @@ def ws_constraint(variant: Variant, problem: Problem, gpu: Gpu) -> str | None:
     plus the spare registers the release needs for the rest (`Release.ws_spare_registers`,
     calibrated on sm_90 compiles of each checked release by benchmarks/ws_registers.py: within the
     bound, ptxas spills at most 48 bytes per thread), and where the release needs it a second
-    output tile for the stream-K merge (`Release.ws_merge_tile`). Under a causal mask, two
-    programs per SM on the dynamic scheduler take order "grouped": with "m_inner" they left whole
-    tiles unwritten now and then, where tiles that see no key mixed with the others (H100, Triton
-    3.6; issue31_h100.md, fifth session), and no other order but "grouped" has been run enough to
-    trust."""
-    if problem.causal and variant.ctas_per_sm == 2 and variant.dynamic and variant.order != "grouped":
-        return "order: two programs per SM on the dynamic scheduler take 'grouped' under a causal mask"
+    output tile for the stream-K merge (`Release.ws_merge_tile`). Under a causal mask (or a window
+    or chunk, whose tiles may see no key too), two programs per SM on the dynamic scheduler take
+    order "grouped": with "m_inner" they left whole tiles unwritten now and then, where tiles that
+    see no key mixed with the others (H100, Triton 3.6; issue31_h100.md, fifth session), and no
+    other order but "grouped" has been run enough to trust."""
+    masked = problem.causal or problem.local
+    if masked and variant.ctas_per_sm == 2 and variant.dynamic and variant.order != "grouped":
+        return "order: two programs per SM on the dynamic scheduler take 'grouped' under a mask"
     d = problem.head_dim
     size = 1 if problem.fp8 else 2  # bytes per element of Q, K and V; the output is 16-bit
     tiles = variant.consumers * variant.block_m * (variant.q_stages * size + 2)
