@@ -10,6 +10,7 @@ from conftest import HAS_CUDA, INTERPRETING, NEEDS_GPU, NEEDS_INTERPRETER
 from tunegen.backends import backend_for
 from tunegen.calls.backward import BackwardCall
 from tunegen.calls.decode import DecodeCall
+from tunegen.calls.local import NONE, Local
 from tunegen.calls.prefill import PrefillCall, Varlen
 from tunegen.kernels.database import gpu_record
 from tunegen.kernels.families import backward, base, decode, prefill
@@ -69,11 +70,21 @@ def assert_lse(lse: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None
 
 
 def run_variant(
-    variant: prefill.PrefillVariant, q, k, v, *, causal, scale, return_lse=True, varlen: Varlen | None = None
+    variant: prefill.PrefillVariant,
+    q,
+    k,
+    v,
+    *,
+    causal,
+    scale,
+    return_lse=True,
+    varlen: Varlen | None = None,
+    local: Local = NONE,
 ):
     """Launch one Variant directly, into outputs poisoned with NaN, under the Problem the public
-    call would dispatch it (unchecked: a test may hand the kernel what the checks refuse)."""
-    call = PrefillCall(q, k, v, causal, scale, return_lse, varlen=varlen)
+    call would dispatch it, with `local`'s features as given (unchecked and not normalized: a test
+    may hand the kernel what the checks refuse or drop)."""
+    call = PrefillCall(q, k, v, causal, scale, return_lse, varlen=varlen, local=local)
     out, lse = call.outputs()
     out.fill_(float("nan"))
     if lse is not None:

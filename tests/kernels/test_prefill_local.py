@@ -11,7 +11,8 @@ import dataclasses
 import pytest
 import torch
 
-from helpers import H100, REL_TOL, assert_lse, randn, rel_err
+from helpers import H100, REL_TOL, assert_lse, randn, rel_err, run_variant
+from tunegen.calls.local import Local
 from tunegen.calls.prefill import PrefillCall, Varlen
 from tunegen.kernels.families import base, prefill
 from tunegen.kernels.gpu import gpu_of
@@ -35,28 +36,12 @@ FEATURES = {
 }
 
 
-def _problem(call: PrefillCall, out: torch.Tensor, window, chunk, softcap, sinks) -> Problem:
-    return dataclasses.replace(
-        call.problem(out),
-        window_left=window[0],
-        window_right=window[1],
-        attention_chunk=chunk,
-        softcap=softcap > 0,
-        sinks=sinks is not None,
-    )
-
-
 def _run(variant, call: PrefillCall, window, chunk, softcap, sinks):
     """One Variant's launch for `call` with the features, into outputs poisoned with NaN."""
-    out, lse = call.outputs()
-    out.fill_(float("nan"))
-    lse.fill_(float("nan"))
-    problem = _problem(call, out, window, chunk, softcap, sinks)
-    kernel = base.build(prefill.FAMILY, variant, problem, gpu_of(call.q.device))
-    args = call.args(out, lse)
-    args.softcap, args.sinks = softcap, sinks
-    kernel.launch(args)
-    return out, lse
+    local = Local(window[0], window[1], chunk, softcap, sinks)
+    return run_variant(
+        variant, call.q, call.k, call.v, causal=call.causal, scale=call.scale, varlen=call.varlen, local=local
+    )
 
 
 def _variants(device):

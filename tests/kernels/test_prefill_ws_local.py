@@ -12,10 +12,9 @@ import pytest
 import torch
 import triton
 
-from helpers import H100, HOPPER, REL_TOL, assert_lse, randn, rel_err
-from tunegen.calls.prefill import PrefillCall
-from tunegen.kernels.families import base, prefill
-from tunegen.kernels.gpu import gpu_of
+from helpers import H100, HOPPER, REL_TOL, assert_lse, randn, rel_err, run_variant
+from tunegen.calls.local import Local
+from tunegen.kernels.families import prefill
 from tunegen.kernels.problem import Problem
 from tunegen.kernels.reference import attention_reference
 
@@ -79,24 +78,8 @@ def test_a_window_needs_the_mask_branch_and_the_tail_no_feature():
 
 
 def _run(variant, q, k, v, causal, window, chunk, softcap, sinks):
-    """One Variant's launch with the features, into outputs poisoned with NaN."""
-    call = PrefillCall(q, k, v, causal, 0.3, True)
-    out, lse = call.outputs()
-    out.fill_(float("nan"))
-    lse.fill_(float("nan"))
-    problem = dataclasses.replace(
-        call.problem(out),
-        window_left=window[0],
-        window_right=window[1],
-        attention_chunk=chunk,
-        softcap=softcap > 0,
-        sinks=sinks is not None,
-    )
-    kernel = base.build(prefill.FAMILY, variant, problem, gpu_of(q.device))
-    args = call.args(out, lse)
-    args.softcap, args.sinks = softcap, sinks
-    kernel.launch(args)
-    return out, lse
+    local = Local(window[0], window[1], chunk, softcap, sinks)
+    return run_variant(variant, q, k, v, causal=causal, scale=0.3, local=local)
 
 
 def _reference(q, k, v, causal, **local):
