@@ -15,7 +15,7 @@ from tunegen.calls.prefill import PrefillCall, Varlen
 from tunegen.kernels.database import gpu_record
 from tunegen.kernels.families import backward, base, decode, prefill
 from tunegen.kernels.gpu import Gpu, gpu_of, interpreter_gpu
-from tunegen.kernels.reference import attention_reference
+from tunegen.kernels.reference import attention_reference, attention_varlen_reference
 from tunegen.tuning_db import Store, WinnerRecord
 
 # Relative error bounds ‖out − ref‖/‖ref‖ against float64, as tight as each dtype allows: the
@@ -94,14 +94,28 @@ def run_variant(
     return out, lse
 
 
-def run_backward_variant(variant, q, k, v, dout, *, causal, scale, varlen: Varlen | None = None, dlse=None):
+def run_backward_variant(
+    variant,
+    q,
+    k,
+    v,
+    dout,
+    *,
+    causal,
+    scale,
+    varlen: Varlen | None = None,
+    dlse=None,
+    local: Local = NONE,
+    forward_outputs=None,
+):
     """Run one backward Variant's kernels directly on the float64 reference's output and
-    log-sum-exp, into gradients poisoned with NaN."""
-    forward = PrefillCall(q, k, v, causal, scale, True, varlen=varlen)
-    out, lse = forward.reference()
+    log-sum-exp (or `forward_outputs`, taken before a test poisoned inputs no row may read), into
+    gradients poisoned with NaN: dq, dk, dv (and the sinks' with `local`'s)."""
+    forward = PrefillCall(q, k, v, causal, scale, True, varlen=varlen, local=local)
+    out, lse = forward_outputs or forward.reference()
     call = BackwardCall(forward, out.to(q.dtype), lse.float(), dout, dlse)
     kernel = base.build(backward.FAMILY, variant, call.problem(), gpu_of(q.device))
-    grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+    grads = [torch.full_like(t, float("nan")) for t in call.outputs()]
     kernel.launch(call.args(*grads))
     return grads
 
@@ -191,11 +205,32 @@ def reference_grads(forward, inputs, dout, dlse=None):
     return torch.autograd.grad(loss, (q, k, v))
 
 
+def local_reference_grads(q, k, v, dout, *, causal, scale, local: Local, cu=None, dlse=None):
+    """Float64 autograd of the reference with `local`'s features at q, k, v (and the sinks): their
+    gradients; `cu` (cu_seqlens_q, cu_seqlens_k) for packed batches."""
+    inputs = list(leaves(*(t.double() for t in (q, k, v))))
+    args = local.reference_args()
+    if local.sinks is not None:
+        args["sinks"] = local.sinks.detach().double().requires_grad_()
+        inputs.append(args["sinks"])
+    if cu is None:
+        out, lse = attention_reference(*inputs[:3], causal=causal, scale=scale, **args)
+    else:
+        out, lse = attention_varlen_reference(*inputs[:3], *cu, causal=causal, scale=scale, **args)
+    loss = (out * dout.double()).sum()
+    if dlse is not None:
+        loss = loss + (lse * dlse.double()).sum()
+    return torch.autograd.grad(loss, inputs)
+
+
 def assert_grads(got, ref, dtype):
-    for name, g, r in zip(("dq", "dk", "dv"), got, ref, strict=True):
+    """dq, dk, dv (in `dtype`) and the sinks' gradient if any, each within the dtype's bound of
+    float64, none left unwritten."""
+    assert len(got) == len(ref)
+    for name, g, r in zip(("dq", "dk", "dv", "dsinks"), got, ref, strict=False):
         assert g is not None and not torch.isnan(g).any(), f"{name} holds NaN: some element was never written"
-        assert g.dtype == dtype and g.shape == r.shape
-        err = float((g.double() - r).norm() / r.norm())
+        assert g.dtype == (torch.float32 if name == "dsinks" else dtype) and g.shape == r.shape
+        err = float((g.double() - r).norm() / r.norm().clamp_min(1e-300))
         assert err < GRAD_TOL[dtype], f"{name}: relative error {err:.2e}"
 
 

@@ -3,7 +3,7 @@ attention, logit softcapping and attention sinks (the sinks' gradient too), alon
 combine them, against float64 autograd at ragged lengths (the queries shorter and longer than the
 keys, where rows at negative positions see nothing), GQA, batch 2, packed batches, each way of
 computing dQ, into poisoned gradients; tiles no row sees are never read, tiles every row sees whole
-skip the mask, and the Hopper schedule refuses them by name."""
+skip the mask (the Hopper schedule's are in test_backward_ws_local.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ import dataclasses
 import pytest
 import torch
 
-from helpers import GRAD_TOL, H100, randn
+from helpers import assert_grads, randn
+from helpers import local_reference_grads as reference
+from helpers import run_backward_variant as run
 from tunegen.calls.backward import BackwardCall
 from tunegen.calls.local import Local
 from tunegen.calls.prefill import PrefillCall, Varlen
@@ -20,7 +22,7 @@ from tunegen.kernels.families import backward, base
 from tunegen.kernels.families.backward_case import reference_backward
 from tunegen.kernels.gpu import gpu_of
 from tunegen.kernels.problem import Problem
-from tunegen.kernels.reference import TOLERANCE, attention_reference, attention_varlen_reference
+from tunegen.kernels.reference import TOLERANCE, attention_reference
 
 Variant = backward.BackwardVariant
 
@@ -60,44 +62,6 @@ def _local(fields: dict, sinks: torch.Tensor | None) -> Local:
     return Local(**fields, sinks=sinks)
 
 
-def run(variant, q, k, v, dout, *, causal, scale, local: Local, varlen=None, dlse=None):
-    """One Variant's kernels for attention with `local`'s features, on the float64 reference's
-    output and log-sum-exp, into gradients poisoned with NaN: dq, dk, dv (and the sinks')."""
-    forward = PrefillCall(q, k, v, causal, scale, True, varlen=varlen, local=local)
-    out, lse = forward.reference()
-    call = BackwardCall(forward, out.to(q.dtype), lse.float(), dout, dlse)
-    kernel = base.build(backward.FAMILY, variant, call.problem(), gpu_of(q.device))
-    grads = [torch.full_like(t, float("nan")) for t in call.outputs()]
-    kernel.launch(call.args(*grads))
-    return grads
-
-
-def reference(q, k, v, dout, *, causal, scale, local: Local, cu=None, dlse=None):
-    """Float64 autograd of the reference at q, k, v (and the sinks): their gradients."""
-    inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    args = local.reference_args()
-    if local.sinks is not None:
-        args["sinks"] = local.sinks.detach().double().requires_grad_()
-        inputs.append(args["sinks"])
-    if cu is None:
-        out, lse = attention_reference(*inputs[:3], causal=causal, scale=scale, **args)
-    else:
-        out, lse = attention_varlen_reference(*inputs[:3], *cu, causal=causal, scale=scale, **args)
-    loss = (out * dout.double()).sum()
-    if dlse is not None:
-        loss = loss + (lse * dlse.double()).sum()
-    return torch.autograd.grad(loss, inputs)
-
-
-def assert_close(got, ref, dtype):
-    """Each gradient within the dtype's bound of float64, none left unwritten."""
-    assert len(got) == len(ref)
-    for name, g, r in zip(("dq", "dk", "dv", "dsinks"), got, ref, strict=False):
-        assert not torch.isnan(g).any(), f"{name} holds NaN: some element was never written"
-        err = float((g.double() - r).norm() / r.norm().clamp_min(1e-300))
-        assert err < GRAD_TOL[dtype], f"{name}: relative error {err:.2e}"
-
-
 def _inputs(device, nq, nk, seed, dtype=torch.float16, batch=2):
     gen = torch.Generator().manual_seed(seed)
     q = randn(batch, 4, nq, 24, dtype=dtype, device=device, gen=gen)
@@ -121,7 +85,7 @@ def test_features_against_float64(device, name, nq, nk):
     ref = reference(q, k, v, dout, causal=causal, scale=0.4, local=local)
     for variant in (_default(device), KNOBS[0]):
         got = run(variant, q, k, v, dout, causal=causal, scale=0.4, local=local)
-        assert_close(got, ref, torch.float16)
+        assert_grads(got, ref, torch.float16)
 
 
 @pytest.mark.parametrize("variant", KNOBS[1:], ids=lambda v: v.to_json())
@@ -134,7 +98,7 @@ def test_every_way_of_computing_dq(device, variant, name):
         q, k, v, dout, sinks = _inputs(device, nq, nk, seed=nq + 7 * nk)
         local = _local(fields, sinks if with_sinks else None)
         got = run(variant, q, k, v, dout, causal=causal, scale=0.4, local=local)
-        assert_close(got, reference(q, k, v, dout, causal=causal, scale=0.4, local=local), torch.float16)
+        assert_grads(got, reference(q, k, v, dout, causal=causal, scale=0.4, local=local), torch.float16)
 
 
 def test_float32_keeps_float32_accuracy(device):
@@ -142,8 +106,10 @@ def test_float32_keeps_float32_accuracy(device):
     q, k, v, dout, sinks = _inputs(device, 45, 37, seed=5, dtype=torch.float32)
     local = _local(fields, sinks)
     ref = reference(q, k, v, dout, causal=causal, scale=0.4, local=local)
-    assert_close(
-        run(_default(device), q, k, v, dout, causal=causal, scale=0.4, local=local), ref, torch.float32
+    assert_grads(
+        run(_default(device), q, k, v, dout, causal=causal, scale=0.4, local=local),
+        ref,
+        torch.float32,
     )
 
 
@@ -159,7 +125,7 @@ def test_the_log_sum_exp_gradient_reaches_the_sinks(device, variant):
     local = _local(fields, sinks)
     ref = reference(q, k, v, dout, causal=causal, scale=0.4, local=local, dlse=dlse)
     got = run(variant, q, k, v, dout, causal=causal, scale=0.4, local=local, dlse=dlse)
-    assert_close(got, ref, torch.float16)
+    assert_grads(got, ref, torch.float16)
 
 
 @pytest.mark.parametrize("name", ["window causal (Mistral)", "chunk", "every feature"])
@@ -178,7 +144,7 @@ def test_packed_batches_against_float64(device, name, variant):
     ref = reference(q, k, v, dout, causal=causal, scale=0.4, local=local, cu=(cu_q, cu_k))
     sizes = Varlen(cu_q, cu_k, max(lens_q), max(lens_k))
     got = run(variant or _default(device), q, k, v, dout, causal=causal, scale=0.4, local=local, varlen=sizes)
-    assert_close(got, ref, torch.float16)
+    assert_grads(got, ref, torch.float16)
     assert torch.all(got[0][-30:] == 0), "rows over no key have no gradient"
 
 
@@ -202,16 +168,12 @@ def test_tiles_no_row_sees_are_not_read(device, causal, fields, nq, unseen):
     k, v = (randn(1, 2, 128, 24, dtype=torch.float16, device=device, gen=gen) for _ in range(2))
     local = _local(fields, randn(2, dtype=torch.float32, device=device, gen=gen))
     ref = reference(q, k, v, dout, causal=causal, scale=0.4, local=local)
-    forward = PrefillCall(q, k, v, causal, 0.4, True, local=local)
-    out, lse = forward.reference()
+    outputs = PrefillCall(q, k, v, causal, 0.4, True, local=local).reference()
     blind = slice(0, max(nq - 128, 0))
     k[:, :, :unseen], v[:, :, :unseen], q[:, :, blind] = float("nan"), float("nan"), float("nan")
     variant = _default(device).replace(dkdv_block_m=32, dkdv_block_n=32, dq_block_m=32, dq_block_n=32)
-    call = BackwardCall(forward, out.to(q.dtype), lse.float(), dout, None)
-    kernel = base.build(backward.FAMILY, variant, call.problem(), gpu_of(q.device))
-    grads = [torch.full_like(t, float("nan")) for t in call.outputs()]
-    kernel.launch(call.args(*grads))
-    assert_close(grads, ref, torch.float16)
+    grads = run(variant, q, k, v, dout, causal=causal, scale=0.4, local=local, forward_outputs=outputs)
+    assert_grads(grads, ref, torch.float16)
     assert torch.all(grads[1][:, :, :unseen] == 0) and torch.all(grads[2][:, :, :unseen] == 0)
     assert torch.all(grads[0][:, :, blind] == 0)
 
@@ -238,9 +200,13 @@ def test_tiles_every_row_sees_whole_skip_the_mask_and_only_those(device, causal,
     for tile in (16, 32):
         variant = Variant(tile, 2 * tile, 2 * tile, tile, num_warps=4, num_stages=1)
         got = run(variant, q, k, v, dout, causal=causal, scale=0.4, local=local)
-        assert_close(got, ref, torch.float16)
+        assert_grads(got, ref, torch.float16)
     partial = Variant(16, 32, num_warps=4, num_stages=1, dq_mode="partial")
-    assert_close(run(partial, q, k, v, dout, causal=causal, scale=0.4, local=local), ref, torch.float16)
+    assert_grads(
+        run(partial, q, k, v, dout, causal=causal, scale=0.4, local=local),
+        ref,
+        torch.float16,
+    )
 
 
 @pytest.mark.parametrize(
@@ -265,7 +231,7 @@ def test_bounds_at_every_alignment(device, causal, fields):
         k, v = (randn(1, 1, 40, 16, dtype=torch.float16, device=device, gen=gen) for _ in range(2))
         local = _local(fields, None)
         got = run(variant, q, k, v, dout, causal=causal, scale=0.4, local=local)
-        assert_close(got, reference(q, k, v, dout, causal=causal, scale=0.4, local=local), torch.float16)
+        assert_grads(got, reference(q, k, v, dout, causal=causal, scale=0.4, local=local), torch.float16)
 
 
 def test_a_sink_of_minus_infinity_has_no_gradient(device):
@@ -284,7 +250,7 @@ def test_a_sink_of_minus_infinity_has_no_gradient(device):
     kernel = base.build(backward.FAMILY, _default(device), call.problem(), gpu_of(q.device))
     grads = [torch.full_like(t, float("nan")) for t in call.outputs()]
     kernel.launch(call.args(*grads))
-    assert_close(grads, ref, torch.float16)
+    assert_grads(grads, ref, torch.float16)
     assert float(grads[3][1]) == 0.0
 
 
@@ -325,23 +291,3 @@ def test_the_tuning_case_runs_and_checks_them(device, varlen):
     case = family.case(problem, blind, torch.device(device), seed=3)
     case.launch()
     assert case.error() > 0.1
-
-
-def test_the_hopper_schedule_refuses_them_by_name():
-    """Schedule "ws" renders none of them: a Variant of it is refused naming them and the loops,
-    the defaults and the search take the loops; without them the Hopper schedule is the default."""
-    family = backward.FAMILY
-    problem = Problem("backward", "bfloat16", 128, True, 16, 4, 2, 4096, 4096, window_left=127, sinks=True)
-    ws = Variant(64, 128, num_warps=8, num_stages=2, schedule="ws")
-    message = (
-        r"the backward's 'ws' renders no \['sinks', 'window_left'\] in this release \('loops' runs them\)"
-    )
-    with pytest.raises(ValueError, match=message):
-        family.check_variant(ws, problem, H100)
-    with pytest.raises(ValueError, match=message):
-        base.build(family, ws, problem, H100)
-    assert family.default_variant(problem, H100).schedule == "loops"
-    assert family.search_space(problem, H100)["schedule"] == ["loops"]
-    assert family.model_features == {"window_left", "window_right", "attention_chunk", "softcap", "sinks"}
-    plain = dataclasses.replace(problem, window_left=-1, sinks=False)
-    assert family.default_variant(plain, H100).schedule == "ws"

@@ -212,8 +212,7 @@ def loops_default(problem: Problem, gpu: Gpu) -> BackwardVariant:
 
 class BackwardFamily:
     name = "backward"
-    # FlashAttention-2's loops render all of them; the Hopper schedule refuses them by name
-    # (`check_ws_backward`), so that the defaults fall back to the loops.
+    # Both schedules render all of them.
     model_features: ClassVar[frozenset[str]] = frozenset(MODEL_FEATURES)
     fp8_model_features: ClassVar[frozenset[str]] = frozenset()  # no FP8 backward
     template = "attention_bwd.py.j2"
@@ -292,7 +291,7 @@ class BackwardFamily:
                 deterministic=[False],
                 producer_regs=[24, 40],
                 kv_regs=[False, True],
-                split_tail=[False] if problem.causal else [False, True],
+                split_tail=[False] if problem.causal or problem.local else [False, True],
                 split_warpgroups=[False, True],
                 paired_walk=[False, True],
             )

@@ -1,7 +1,7 @@
 """The backward family's Hopper schedule ("ws", FlashAttention-3's warp-specialized backward in
 Gluon): where it runs, the shared memory and registers a Variant of it needs, and its measured
 defaults. Where it runs is the prefill schedule's rule (`prefill_ws.check_ws`: the same GPU,
-releases and inputs), less the features of current models, which it does not render."""
+releases and inputs), with every feature of current models."""
 
 from __future__ import annotations
 
@@ -30,14 +30,8 @@ SPARE_REGISTERS = 16
 
 def check_ws_backward(problem: Problem, gpu: Gpu) -> None:
     """Where the backward's schedule "ws" runs (a ValueError saying why not): the prefill schedule's
-    GPU, releases and inputs (`check_ws`), without a window, chunks, the cap or sinks, which only
-    the loops render."""
+    GPU, releases and inputs (`check_ws`), windows, chunks, the cap and sinks included."""
     check_ws(problem, gpu, fallback="loops")
-    if problem.model_features:
-        raise ValueError(
-            f"variant.schedule: the backward's 'ws' renders no {sorted(problem.model_features)} in this "
-            "release ('loops' runs them)"
-        )
 
 
 def runs_ws_backward(problem: Problem, gpu: Gpu) -> bool:
@@ -77,9 +71,12 @@ def ws_smem(variant: Any, head_dim: int) -> int:
 
 def ws_constraint(variant: Any, problem: Problem, gpu: Gpu) -> str | None:
     """Schedule "ws" within the GPU's shared memory per block and the consumers' registers; a split
-    tail only where every key tile walks as many steps (no causal mask)."""
-    if variant.split_tail and problem.causal:
-        return "split_tail: under a causal mask key tiles walk different lengths; only Problems without one"
+    tail only where every key tile walks as many steps (no causal mask, window or chunk)."""
+    if variant.split_tail and (problem.causal or problem.local):
+        return (
+            "split_tail: under a causal mask, window or chunk key tiles walk different lengths; "
+            "only Problems without them"
+        )
     smem = ws_smem(variant, problem.head_dim)
     if smem > gpu.smem_per_block:
         return f"shared memory: needs about {smem} bytes, {gpu.name} has {gpu.smem_per_block} per block"
@@ -115,7 +112,7 @@ def ws_default(problem: Problem, variant_type: Any, gpu: Gpu) -> Any:
         schedule="ws",
         dq_write="atomic",
         kv_regs=problem.head_dim <= 64,
-        split_tail=not problem.causal,
+        split_tail=not (problem.causal or problem.local),
     )
     table = releases.of(gpu.triton_version).ws_backward_table
     default = default.replace(
