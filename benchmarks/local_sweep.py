@@ -30,6 +30,10 @@ from tunegen.measure.suites import Shape
 # Knob changes from the default, one candidate each (those outside the constraint are skipped).
 CHANGES = [
     {},
+    {"mask_branch": False},
+    {"mask_branch": True},
+    {"mask_branch": False, "order": "head_inner", "reverse_m": False, "l2_share": 2},
+    {"mask_branch": False, "q_stages": 1},
     {"l2_share": 4},
     {"l2_share": 8},
     {"reverse_m": False},

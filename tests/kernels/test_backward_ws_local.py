@@ -1,5 +1,5 @@
 """The backward's Hopper schedule ("ws") with the attention of current models: where it takes them
-(CPU; the sm_90 compile is in test_compile.py), and on an sm_90 GPU windows, chunks, the cap and
+(CPU; the sm_90 compile is in test_compile_backward.py), and on an sm_90 GPU windows, chunks, the cap and
 sinks (their gradient too), alone and as models combine them, against float64 autograd over every
 kind of Variant the schedule has, at ragged lengths (queries shorter and longer than the keys),
 GQA, batch 2, into poisoned gradients; fixed-order dQ gives the same bits on every run; key tiles

@@ -29,6 +29,9 @@ VARIANTS = [
     dataclasses.replace(WS, consumers=3, overlap=False, pingpong=True, block_n=64, **DYNAMIC),
     dataclasses.replace(PAIR, block_m=128, num_stages=3, **DYNAMIC, order="grouped", reverse_m=True),
     dataclasses.replace(WS, consumers=1, persistent=True, order="head_inner"),
+    # The masked blocks at both ends in copies of the loop rather than its branch.
+    dataclasses.replace(WS, mask_branch=False, **DYNAMIC, order="grouped", reverse_m=True),
+    dataclasses.replace(PAIR, mask_branch=False, overlap=False, **DYNAMIC, order="grouped"),
 ]
 INSTALLED = dataclasses.replace(H100, triton_version=triton.__version__)
 # (causal, window_size, attention_chunk, softcap, sinks): windows and chunks several key blocks wide
@@ -59,18 +62,13 @@ def test_the_defaults_take_the_hopper_schedule_with_the_features(features):
     problem = dataclasses.replace(PLAIN, **features)
     variant = prefill.FAMILY.default_variant(problem, H100)
     assert variant.schedule == "ws"
-    assert variant.mask_branch or not problem.local
     prefill.FAMILY.check_variant(variant, problem, H100)
     space = prefill.FAMILY.search_space(problem, H100)
     assert "ws" in space["schedule"] and space["stream_k"] == [False]
-    assert space["mask_branch"] == ([True] if problem.local else [False, True])
+    assert space["mask_branch"] == [False, True]
 
 
-def test_a_window_needs_the_mask_branch_and_the_tail_no_feature():
-    problem = dataclasses.replace(PLAIN, window_left=4095)
-    with pytest.raises(ValueError, match=r"variant.mask_branch: a window or chunk masks key blocks at both"):
-        prefill.FAMILY.check_variant(WS.replace(mask_branch=False), problem, H100)
-    prefill.FAMILY.check_variant(WS.replace(mask_branch=False), dataclasses.replace(PLAIN, sinks=True), H100)
+def test_the_tail_takes_no_feature():
     plain = dataclasses.replace(PLAIN, causal=False, sinks=True)
     tail = WS.replace(**DYNAMIC, stream_k=True)
     with pytest.raises(ValueError, match=r"variant.stream_k: the tail's merge renders no \['sinks'\]"):

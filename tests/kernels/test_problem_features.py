@@ -13,6 +13,7 @@ from tunegen.kernels import masks
 from tunegen.kernels.database import problem_from_dict
 from tunegen.kernels.families import base, get
 from tunegen.kernels.problem import MODEL_FEATURES, Problem, problem_text
+from tunegen.kernels.render import render
 
 PLAIN = Problem("prefill", "bfloat16", 128, True, 32, 8, 4, 4096, 4096)
 # The key this Problem was stored under before the features existed: it must never change.
@@ -97,14 +98,18 @@ def test_no_family_builds_a_kernel_that_would_ignore_them():
 
 def test_prefill_renders_them_on_both_schedules():
     """The prefill family renders every feature (`Family.model_features`), on the Hopper schedule
-    too, where a window masks in a branch of its one loop: the plain Problem's Variant without that
-    branch is refused by name, never built to ignore the window."""
+    too, with its window's masks in a branch of one loop or in copies of the loop around the
+    unmasked one."""
     fam = get("prefill")
     assert fam.model_features == set(MODEL_FEATURES)
     plain = fam.default_variant(dataclasses.replace(GPT_OSS, window_left=-1, sinks=False), H100)
     assert plain.schedule == "ws"
-    with pytest.raises(ValueError, match=r"variant.mask_branch: a window or chunk masks key blocks"):
-        base.build(fam, plain.replace(mask_branch=False), GPT_OSS, H100)
+    unmasked = "for j in range(gl.maximum(full_lo, lo + 1), gl.maximum(full_hi, lo + 1)):"
+    for branch in (False, True):
+        source = render(
+            fam.template, "prefill", plain.replace(mask_branch=branch), fam.features(GPT_OSS, H100)
+        )
+        assert (unmasked in source.source) != branch
     assert fam.default_variant(GPT_OSS, H100).schedule == "ws"
     assert get("decode").model_features == set(MODEL_FEATURES)
 

@@ -11,7 +11,16 @@ import pytest
 import torch
 
 import tunegen
-from helpers import assert_grads, dispatch_interprets, leaves, qkv_dout, randn, reference_grads
+from helpers import (
+    assert_grads,
+    dispatch_interprets,
+    leaves,
+    local_reference_grads,
+    qkv_dout,
+    randn,
+    reference_grads,
+)
+from tunegen.calls.local import Local
 from tunegen.kernels.reference import attention_reference, attention_varlen_reference
 
 pytestmark = pytest.mark.usefixtures("user_db")
@@ -213,6 +222,25 @@ def test_a_log_sum_exp_laid_out_otherwise_gives_the_same_gradients():
     forward = lambda q, k, v: attention_reference(q, k, v, causal=True, scale=32**-0.5)
     assert_grads(grads, reference_grads(forward, (q, k, v), dout), torch.float32)
     assert dsinks.numel() == 0  # no sinks
+
+
+def test_a_padded_log_sum_exp_with_sinks_and_its_gradient_gives_the_right_gradients():
+    """A log-sum-exp that is a view into a longer buffer (rows padded), with a gradient of its own
+    and sinks: the backward addresses dlse and the sinks' scratch with the log-sum-exp's strides,
+    which a dense copy of it has (before, the scratch was dense and the strides the view's)."""
+    if not dispatch_interprets():
+        pytest.skip("CPU kernels need the interpreter")
+    q, k, v, dout = qkv_dout(2, 4, 2, 23, 23, 32, torch.float32, torch.device("cpu"), seed=65)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(66))
+    out, lse = tunegen.attention(q, k, v, causal=True, window_size=(7, -1), sinks=sinks, return_lse=True)
+    padded = torch.full((2, 4, 40), float("nan"))[:, :, :23].copy_(lse)
+    dlse = torch.randn(2, 4, 23, generator=torch.Generator().manual_seed(67))
+    grads = torch.ops.tunegen.attention_backward(
+        dout, q, k, v, out, padded, dlse, True, 32**-0.5, False, 7, -1, 0, 0.0, sinks
+    )
+    local = Local(window_left=7, sinks=sinks)
+    ref = local_reference_grads(q, k, v, dout, causal=True, scale=32**-0.5, local=local, dlse=dlse)
+    assert_grads(grads, ref, torch.float32)
 
 
 def test_a_retained_graph_gives_the_same_gradients_twice_and_frees_its_inputs_after(device):

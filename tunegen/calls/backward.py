@@ -61,9 +61,11 @@ class BackwardCall:
         if dlse is not None and (not isinstance(dlse, torch.Tensor) or dlse.shape != lse.shape):
             raise ValueError(f"dlse: expected None or a tensor of the log-sum-exp's shape {tuple(lse.shape)}")
         dout = dout.to(out.dtype)
-        # The kernels read each row of the log-sum-exp (and of dlse, copied to its strides) as
-        # consecutive floats: a permuted one (as PyTorch's CPU flash op writes it) is copied first.
-        lse = lse if lse.stride(-1) == 1 else lse.contiguous()
+        # The kernels read each row of the log-sum-exp as consecutive floats, and address dlse and
+        # their scratch (the sinks' rows) with its strides, which `empty_like` keeps only for a
+        # dense tensor: a permuted one (as PyTorch's CPU flash op writes it) or a padded view is
+        # copied first.
+        lse = lse if lse.is_contiguous() else lse.contiguous()
         return cls(forward, out, lse, dout if dout.stride(-1) == 1 else dout.contiguous(), dlse)
 
     def problem(self) -> Problem:

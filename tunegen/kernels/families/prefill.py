@@ -336,7 +336,7 @@ class PrefillFamily:
                 ctas_per_sm=[1, 2],
                 dynamic=[False, True],
                 q_stages=[1, 2],
-                mask_branch=[False] if problem.fp8 else [True] if problem.local else [False, True],
+                mask_branch=[False] if problem.fp8 else [False, True],
                 stream_k=[False, True]
                 if not (problem.causal or problem.fp8 or problem.model_features)
                 else [False],

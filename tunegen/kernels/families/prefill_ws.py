@@ -60,15 +60,8 @@ def check_ws(problem: Problem, gpu: Gpu, fallback: str = "fa2") -> None:
 
 
 def check_ws_variant(variant: Variant, problem: Problem) -> None:
-    """What a Problem with features of current models asks of a Variant of schedule "ws": a
-    window or chunk masks the blocks at both ends of its key range, in a branch of one loop
-    (`mask_branch`) rather than three copies of it; no stream-K tail (its merge knows neither the
-    window's ranges nor the sinks)."""
-    if problem.local and not variant.mask_branch:
-        raise ValueError(
-            "variant.mask_branch: a window or chunk masks key blocks at both ends of the loop, "
-            "so schedule 'ws' masks them in a branch of one loop (mask_branch=True)"
-        )
+    """What a Problem with features of current models asks of a Variant of schedule "ws": no
+    stream-K tail (its merge knows neither the window's ranges nor the sinks)."""
     if variant.stream_k and problem.model_features:
         raise ValueError(f"variant.stream_k: the tail's merge renders no {sorted(problem.model_features)}")
 
