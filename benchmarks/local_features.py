@@ -169,17 +169,20 @@ def run_backward(case: Case, seed: int) -> list[dict]:
 
 def run_decode(problems: list, seed: int) -> list[dict]:
     """`tunegen bench decode`'s rows for `problems` (GB/s of the window's bytes), each with the GB/s
-    of a device copy of the bytes it credits tunegen with, measured right before it."""
+    of a device copy of the bytes it credits tunegen with (read + written: twice the traffic), and
+    of a copy of half of them (whose traffic, read + written, is those bytes, as the kernel's is),
+    measured right before it."""
     records = []
     for problem in problems:
         nbytes = credited(get("decode"), problem, "tunegen")
-        copy = copy_gbps(int(nbytes))
+        copy, same = copy_gbps(int(nbytes)), copy_gbps(int(nbytes) // 2)
         layout = f"paged {problem.page_size}" if problem.paged else "contiguous"
         window = "window 4096" if problem.local else "whole cache"
         for row in bench_cases([problem], seed=seed):
             us = row["ms"] * 1e3 if row["ms"] else None
             case = f"decode {window} B={problem.batch} {layout}"
-            records.append({"part": "d", "case": case, "us": us, "bytes": nbytes, "copy_gbps": copy, **row})
+            extra = {"bytes": nbytes, "copy_gbps": copy, "copy_same_traffic_gbps": same}
+            records.append({"part": "d", "case": case, "us": us, **extra, **row})
     return records
 
 
@@ -201,6 +204,8 @@ def targets(records: list[dict]) -> list[dict]:
         if r["part"] == "d":
             if r["impl"] == "tunegen" and r.get("window_left", -1) >= 0:
                 add(r, "GB/s / copy GB/s", r["rate"] / r["copy_gbps"] if r["rate"] else None, low=0.9)
+                same = r["rate"] / r["copy_same_traffic_gbps"] if r["rate"] else None
+                add(r, "GB/s / GB/s of a copy of the same traffic", same)
             continue
         if r["impl"] != "tunegen":
             continue

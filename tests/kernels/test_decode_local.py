@@ -6,15 +6,18 @@ calls take the fast path."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 import tunegen
-from helpers import NEEDS_GPU, REL_TOL, assert_lse, gathered, make_cache, rel_err
+from helpers import H100, NEEDS_GPU, REL_TOL, assert_lse, gathered, make_cache, rel_err
 from tunegen.calls.decode import DecodeCall
 from tunegen.kernels import dispatch
 from tunegen.kernels.families import base, decode
 from tunegen.kernels.gpu import gpu_of
+from tunegen.kernels.problem import Problem
 from tunegen.kernels.reference import attention_reference
 
 # (causal, window_size, attention_chunk, softcap, sinks)
@@ -89,7 +92,8 @@ def test_features_against_float64(device, name, nq, page):
 def test_pages_before_the_window_are_never_read(device, page):
     """One query token at position 95 with a window of 20 keys back: its keys start at 75, so the
     cache's first 64 slots (whole 16-key pages) hold NaN and must not reach the output, with one
-    split or several, and through the public call."""
+    split or several, through the public call, and (contiguous) with key tiles of 128, whose
+    first holds them: no slot before the first key seen is loaded."""
     import tunegen
 
     dtype = torch.float16
@@ -106,7 +110,8 @@ def test_pages_before_the_window_are_never_read(device, page):
     call = DecodeCall.checked(
         q, k_cache, v_cache, seqlens, block_table=table, scale=0.3, window_size=(20, -1)
     )
-    for variant in VARIANTS:
+    wide = [decode.DecodeVariant(block_n=128, num_splits=2, pack_gqa=True)] if page == 0 else []
+    for variant in VARIANTS + wide:
         out, lse = call.outputs()
         base.build(decode.FAMILY, variant, call.problem(), gpu_of(q.device)).launch(call.args(out, lse))
         assert rel_err(out, ref) < REL_TOL[dtype], variant
@@ -223,6 +228,22 @@ def test_pages_freed_before_a_window_or_chunk_serve_every_path_alike(device):
         tunegen.decode_attention(
             q, k_cache, v_cache, seqlens, block_table=table, scale=0.3, check=True, **local
         )
+
+
+@pytest.mark.parametrize(("batch", "splits"), [(1, 16), (8, 2), (32, 1)])
+def test_a_window_takes_longer_programs_within_one_wave(batch, splits):
+    """Under a window the default's programs over a contiguous cache stay within one wave (H100:
+    132 SMs, 8 KV heads) over key tiles of 128; the whole cache keeps splitting until they cover
+    it, and a paged cache takes the whole cache's Variant."""
+    window = Problem("decode", "bfloat16", 128, True, 32, 8, batch, 1, 32768, window_left=4095)
+    default = decode.FAMILY.default_variant(window, H100)
+    assert (default.block_n, default.num_splits) == (128, splits)
+    assert default.num_splits == 1 or batch * 8 * default.num_splits <= H100.sm_count
+    paged = dataclasses.replace(window, paged=True, page_size=64)
+    whole_paged = dataclasses.replace(paged, window_left=-1)
+    assert decode.FAMILY.default_variant(paged, H100) == decode.FAMILY.default_variant(whole_paged, H100)
+    whole = decode.FAMILY.default_variant(dataclasses.replace(window, window_left=-1), H100)
+    assert whole.block_n == 64 and batch * 8 * whole.num_splits >= min(H100.sm_count, batch * 8 * 32)
 
 
 def test_what_decode_refuses_and_takes():

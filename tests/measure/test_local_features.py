@@ -65,8 +65,17 @@ def test_the_targets_read_the_measurements(script):
         _row("c", "C", "tunegen", 1050.0, window_left=-1),
         _row("c", "C", "tunegen plain", 1000.0),
         _row("c", "CW", "tunegen", None, window_left=4095, note="n/a (no kernel)"),
-        _row("d", "D", "tunegen", 50.0, window_left=4095, rate=2700.0, copy_gbps=3000.0),
-        _row("d", "D whole", "tunegen", 400.0, rate=2700.0, copy_gbps=3000.0),
+        _row(
+            "d",
+            "D",
+            "tunegen",
+            50.0,
+            window_left=4095,
+            rate=2700.0,
+            copy_gbps=3000.0,
+            copy_same_traffic_gbps=2800.0,
+        ),
+        _row("d", "D whole", "tunegen", 400.0, rate=2700.0, copy_gbps=3000.0, copy_same_traffic_gbps=2900.0),
     ]
     got = {(g["case"], g["what"]): (g["value"], g["bound"], g["met"]) for g in script.targets(records)}
     assert got[("A", "tunegen us")] == (1500.0, "<= 1600", True)
@@ -76,6 +85,7 @@ def test_the_targets_read_the_measurements(script):
     assert got[("C", "tunegen / plain causal")] == (1.05, "<= 1.1", True)
     assert got[("CW", "Flex / tunegen")] == (None, "", None)
     assert got[("D", "GB/s / copy GB/s")] == (0.9, ">= 0.9", True)
+    assert got[("D", "GB/s / GB/s of a copy of the same traffic")] == (2700 / 2800, "", None)
     assert not any(case == "D whole" for case, _ in got), "the whole cache has no target"
     text = script.markdown(records, script.targets(records), {"gpu": "H100"})
     assert "| a | A | tunegen | 1500 | - | - | 1.0e-02 |  |" in text

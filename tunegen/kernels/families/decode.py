@@ -124,13 +124,23 @@ class DecodeFamily:
         more programs in flight hide it); three pipeline stages. Measured on an H100 over `tunegen
         bench decode`'s Problems (benchmarks/results/decode_defaults_h100.md): 0.95 to 1.00 of
         the best Variant of the sweep, where two waves and two stages gave 0.90 to 1.00. Key tiles
-        of 64 (32 interpreted), or the largest power of two below that divides the page."""
+        of 64 (32 interpreted), or the largest power of two below that divides the page.
+
+        A contiguous cache under a window or chunk, where each split reads a share of the window
+        only, takes fewer, longer programs: key tiles of 128 and splits only while the programs
+        stay within one wave. On an H100 at a 32k cache with a window of 4096
+        (benchmarks/results/issue32_decode_window_defaults_h100.json), 0.98 to 1.00 of the
+        sweep's best Variant at batches 1, 8 and 32, where the whole-cache rule gave 0.94 to 1.00;
+        a paged one at batch 8 lost 12% that way (issue32_h100.md), and keeps the rule."""
         interpreted = gpu.arch == "interpreter"
-        block_n = key_tile(problem.page_size, 32 if interpreted else 64)
+        windowed = problem.local and not problem.paged
+        block_n = key_tile(problem.page_size, 32 if interpreted else 128 if windowed else 64)
         units = problem.batch * problem.num_heads_kv
         tiles = max(1, problem.seqlen_k // block_n)
         splits = 2 if problem.paged and tiles >= 2 else 1
-        while units * splits < gpu.sm_count and splits * 2 <= min(32, tiles):
+        # Doubled while the programs stay short of the SMs, or for `windowed` within one wave.
+        most = gpu.sm_count // 2 if windowed else gpu.sm_count - 1
+        while units * splits <= most and splits * 2 <= min(32, tiles):
             splits *= 2
         return DecodeVariant(
             block_n=block_n, num_splits=splits, num_warps=4, num_stages=1 if interpreted else 3, pack_gqa=True
