@@ -244,6 +244,13 @@ def test_a_window_takes_longer_programs_within_one_wave(batch, splits):
     assert decode.FAMILY.default_variant(paged, H100) == decode.FAMILY.default_variant(whole_paged, H100)
     whole = decode.FAMILY.default_variant(dataclasses.replace(window, window_left=-1), H100)
     assert whole.block_n == 64 and batch * 8 * whole.num_splits >= min(H100.sm_count, batch * 8 * 32)
+    # A right side alone reads the whole cache; a narrow window splits no further than its tiles.
+    right = dataclasses.replace(window, window_left=-1, window_right=1, causal=False, seqlen_q=4)
+    assert decode.FAMILY.default_variant(right, H100) == decode.FAMILY.default_variant(
+        dataclasses.replace(right, window_right=-1), H100
+    )
+    narrow = decode.FAMILY.default_variant(dataclasses.replace(window, window_left=127), H100)
+    assert narrow.num_splits == 1
 
 
 def test_what_decode_refuses_and_takes():

@@ -133,10 +133,11 @@ class DecodeFamily:
         sweep's best Variant at batches 1, 8 and 32, where the whole-cache rule gave 0.94 to 1.00;
         a paged one at batch 8 lost 12% that way (issue32_h100.md), and keeps the rule."""
         interpreted = gpu.arch == "interpreter"
-        windowed = problem.local and not problem.paged
+        # The kernel skips the keys before a window's left side or a chunk (not a right side).
+        windowed = (problem.window_left >= 0 or problem.attention_chunk > 0) and not problem.paged
         block_n = key_tile(problem.page_size, 32 if interpreted else 128 if windowed else 64)
         units = problem.batch * problem.num_heads_kv
-        tiles = max(1, problem.seqlen_k // block_n)
+        tiles = max(1, (_keys_seen(problem) if windowed else problem.seqlen_k) // block_n)
         splits = 2 if problem.paged and tiles >= 2 else 1
         # Doubled while the programs stay short of the SMs, or for `windowed` within one wave.
         most = gpu.sm_count // 2 if windowed else gpu.sm_count - 1
@@ -155,20 +156,21 @@ class DecodeFamily:
         """Bytes of K and V read: the keys and values of each cached token some query row sees
         (all of them, or a window's or chunk's: the kernel reads no other page), once."""
         size = 1 if problem.fp8 else {"float16": 2, "bfloat16": 2, "float32": 4}[problem.dtype]
-        keys = problem.seqlen_k
-        if problem.local:
-            sides = {
-                "left": problem.window_left,
-                "right": problem.window_right,
-                "chunk": problem.attention_chunk,
-            }
-            keys = masks.keys_seen(problem.seqlen_q, problem.seqlen_k, causal=problem.causal, **sides)
+        keys = _keys_seen(problem)
         return "GB/s", 2.0 * problem.batch * keys * problem.num_heads_kv * problem.head_dim * size
 
     def case(self, problem: Problem, kernel: Any, device: Any, seed: int) -> Any:
         from tunegen.kernels.families.decode_case import decode_case
 
         return decode_case(problem, kernel, device, seed)
+
+
+def _keys_seen(problem: Problem) -> int:
+    """How many of a sequence's cached keys some query row sees: all, or a window's or chunk's."""
+    if not problem.local:
+        return problem.seqlen_k
+    sides = {"left": problem.window_left, "right": problem.window_right, "chunk": problem.attention_chunk}
+    return masks.keys_seen(problem.seqlen_q, problem.seqlen_k, causal=problem.causal, **sides)
 
 
 FAMILY = DecodeFamily()
