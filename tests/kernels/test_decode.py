@@ -24,6 +24,8 @@ VARIANTS = [
     decode.DecodeVariant(block_n=16, num_splits=1, num_stages=1),
     decode.DecodeVariant(block_n=16, num_splits=3, num_stages=1, pack_gqa=False),
     decode.DecodeVariant(block_n=16, num_splits=4, num_stages=1),
+    # Merges in several chunks of rows (MERGE_ROWS below the program's rows), most splits empty.
+    decode.DecodeVariant(block_n=16, num_splits=16, num_stages=1),
 ]
 
 
