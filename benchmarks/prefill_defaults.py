@@ -65,7 +65,7 @@ TILES = {  # schedule "fa2": block_m, block_n, num_warps, num_stages
         (128, 128, 8, 2),
     ],
 }
-WS = {  # schedule "ws": block_m, block_n, num_stages, consumers, pingpong, overlap, ctas_per_sm
+WS = {  # schedule "ws": block_m, block_n, num_stages, consumers, pingpong, overlap, ctas_per_sm[, knobs]
     64: [
         (64, 128, 2, 3, True, False, 1),
         (64, 64, 2, 3, True, True, 1),
@@ -91,14 +91,28 @@ WS = {  # schedule "ws": block_m, block_n, num_stages, consumers, pingpong, over
         (64, 64, 2, 1, False, True, 2),
         (64, 64, 2, 1, False, False, 2),
     ],
+    # Head dim 256: a ring of two 64-key blocks beside two consumers' query rows leaves no room for
+    # the output's own slot, so it leaves through the query slot or from registers; one consumer
+    # keeps its slot, and has room for a second query slot (persistent programs only).
+    256: [
+        (64, 64, 2, 2, False, True, 1, {"o_store": "registers"}),
+        (64, 64, 2, 2, False, True, 1, {"o_store": "q_slot"}),
+        (64, 64, 2, 2, False, False, 1, {"o_store": "q_slot"}),
+        (64, 64, 2, 2, True, True, 1, {"o_store": "q_slot"}),
+        (64, 64, 2, 2, False, False, 1, {"o_store": "q_slot", "mask_branch": True}),
+        (64, 64, 2, 1, False, True, 1, {}),
+        (64, 64, 2, 1, False, True, 1, {"q_stages": 2}),
+    ],
 }
 PEERS = ("sdpa-cudnn", "sdpa-flash")
 
 
-def ws_variant(tiles: tuple, order: str, reverse_m: bool, persistent: bool) -> prefill.PrefillVariant:
+def ws_variant(
+    tiles: tuple, order: str, reverse_m: bool, persistent: bool, dynamic: bool = False
+) -> prefill.PrefillVariant:
     """A "ws" Variant from a WS row (block_m, block_n, num_stages, consumers, pingpong, overlap,
-    ctas_per_sm) and a program order."""
-    bm, bn, s, c, pp, ov, ctas = tiles
+    ctas_per_sm, and a dict of other knobs where given) and a program order."""
+    bm, bn, s, c, pp, ov, ctas, *knobs = tiles
     return prefill.PrefillVariant(
         schedule="ws",
         block_m=bm,
@@ -109,14 +123,17 @@ def ws_variant(tiles: tuple, order: str, reverse_m: bool, persistent: bool) -> p
         overlap=ov,
         ctas_per_sm=ctas,
         persistent=persistent,
+        dynamic=dynamic,
         order=order,
         reverse_m=reverse_m,
+        **(knobs[0] if knobs else {}),
     )
 
 
 def candidates(head_dim: int, causal: bool, schedules: list[str]) -> list[prefill.PrefillVariant]:
     """The Variants tried per (head dim, causal): for "ws" each tile shape also persistent and, for
-    causal, heaviest query blocks first within L2-sized groups of heads."""
+    causal, heaviest query blocks first within L2-sized groups of heads (at head dim 256, each
+    tile shape launched per tile or persistent on the dynamic scheduler, causal only so)."""
     orders = [("head_inner", True), ("m_inner", False)] if causal else [("m_inner", False)]
     out = []
     if "fa2" in schedules:
@@ -128,8 +145,15 @@ def candidates(head_dim: int, causal: bool, schedules: list[str]) -> list[prefil
             )
     if "ws" in schedules and head_dim in WS:
         ws_orders = [("grouped", True), ("m_inner", False)] if causal else [("m_inner", False)]
-        for tiles, (order, rev), persistent in itertools.product(WS[head_dim], ws_orders, (False, True)):
-            out.append(ws_variant(tiles, order, rev, persistent))
+        walks = [(False, False), (True, False)]
+        if head_dim == 256:
+            walks = [(False, False), (True, True)]
+            ws_orders = ws_orders[:1]
+        for tiles, (order, rev), walk in itertools.product(WS[head_dim], ws_orders, walks):
+            try:
+                out.append(ws_variant(tiles, order, rev, *walk))
+            except ValueError:  # a second query slot serves persistent programs only
+                continue
     return out
 
 
@@ -205,7 +229,10 @@ def _label(v: dict) -> str:
         ov = " ov" if v["overlap"] else ""
         x2 = "x2" if v.get("ctas_per_sm", 1) == 2 else ""
         text = f"ws {v['block_m']}x{v['block_n']} c{v['consumers']}{x2}{pp}{ov} s{v['num_stages']}"
-        text += " persistent" if v["persistent"] else ""
+        text += (" dynamic" if v.get("dynamic") else " persistent") if v["persistent"] else ""
+        text += {"slot": "", "q_slot": " o-q", "registers": " o-regs"}[v.get("o_store", "slot")]
+        text += " q2" if v.get("q_stages", 1) == 2 else ""
+        text += " branch" if v.get("mask_branch") else ""
     else:
         text = f"fa2 {v['load']} {v['block_m']}x{v['block_n']} w{v['num_warps']} s{v['num_stages']}"
     order = {"m_inner": "", "head_inner": " heads", "grouped": " grouped"}[v["order"]]
@@ -254,9 +281,10 @@ def main() -> None:
     jobs = []
     for shape in groups:
         problem = shape.problem("bfloat16")
-        defaults = [
-            prefill.FAMILY.default_variant(_sized(shape, n).problem("bfloat16"), gpu) for n in seqlens
-        ]
+        # Each length's default, and FlashAttention-2's loop as the family would run it there.
+        sized = [_sized(shape, n).problem("bfloat16") for n in seqlens]
+        defaults = [prefill.FAMILY.default_variant(p, gpu) for p in sized]
+        defaults += [prefill.fa2_default(p, gpu) for p in sized]
         for v in dict.fromkeys(defaults + candidates(shape.head_dim, shape.causal, schedules)):
             if prefill.FAMILY.constraint(v, problem, gpu) is None:
                 jobs.append((shape, v.to_json()))

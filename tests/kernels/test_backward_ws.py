@@ -84,6 +84,10 @@ def test_ws_is_the_hopper_default_where_it_runs():
     assert backward.FAMILY.default_variant(PROBLEM, H100).schedule == "ws"
     d96 = dataclasses.replace(PROBLEM, head_dim=96)
     assert backward.FAMILY.default_variant(d96, H100).schedule == "loops"
+    # Head dim 256 runs the forward's Hopper schedule, not the backward's.
+    d256 = dataclasses.replace(PROBLEM, head_dim=256)
+    assert backward.FAMILY.default_variant(d256, H100).schedule == "loops"
+    assert "ws" not in backward.FAMILY.search_space(d256, H100)["schedule"]
     for d in (64, 128):
         problem = dataclasses.replace(PROBLEM, head_dim=d)
         assert (

@@ -188,6 +188,9 @@ def test_ws_variants_compile_for_sm90_with_wgmma_and_without_spilling():
         ("bfloat16", 64, True, 16, True, dataclasses.replace(ws, consumers=3, overlap=False, **branch)),
         ("bfloat16", 64, False, 16, True, dataclasses.replace(ws, pingpong=False, stream_k=True, **dynamic)),
         ("float16", 128, False, 4, False, dataclasses.replace(ws, q_stages=2, stream_k=True, **dynamic)),
+        ("bfloat16", 128, True, 4, True, dataclasses.replace(ws, o_store="registers", q_stages=2, **dynamic)),
+        ("bfloat16", 256, True, 4, True, dataclasses.replace(ws, block_n=64, o_store="registers", **dynamic)),
+        ("float16", 256, False, 16, False, dataclasses.replace(ws, block_n=32, num_stages=3)),
     ]
     admitted, jobs = [], []
     for case in cases:

@@ -42,11 +42,20 @@ PROBLEM = Problem("prefill", "bfloat16", 128, True, 16, 4, 2, 4096, 4096)
         ({"dynamic": True}, "dynamic: a scheduler of persistent programs"),
         ({"q_stages": 2}, "q_stages: a second query slot serves a program's next tile"),
         ({"persistent": True, "q_stages": 3}, "q_stages: expected 1 or 2"),
+        ({"o_store": "smem"}, "o_store: expected one of"),
     ],
 )
 def test_ws_variant_rejects_knobs_that_do_not_apply(changes, message):
     with pytest.raises(ValueError, match=message):
         dataclasses.replace(WS, **changes)
+
+
+def test_fp8_keeps_the_output_out_of_its_query_slots():
+    problem = dataclasses.replace(PROBLEM, fp8=True)
+    with pytest.raises(ValueError, match="o_store: fp8's query slots hold e4m3 rows"):
+        prefill.FAMILY.check_variant(dataclasses.replace(WS, o_store="q_slot"), problem, H100)
+    assert prefill.FAMILY.search_space(problem, H100)["o_store"] == ["slot", "registers"]
+    assert prefill.FAMILY.search_space(PROBLEM, H100)["o_store"] == ["slot", "registers", "q_slot"]
 
 
 def test_fa2_variants_keep_the_ws_knobs_at_their_defaults():
@@ -79,7 +88,7 @@ WS_FAMILIES = {
         (
             dataclasses.replace(PROBLEM, head_dim=96),
             H100,
-            "head dims \\(64, 128\\), got 96 \\('{other}' runs",
+            "head dims \\({dims}\\), got 96 \\('{other}' runs",
         ),
         (dataclasses.replace(PROBLEM, varlen=True), H100, "varlen takes '{other}'"),
         (dataclasses.replace(PROBLEM, aligned=False), H100, "16-byte aligned"),
@@ -88,7 +97,10 @@ WS_FAMILIES = {
 def test_ws_refuses_what_it_cannot_run_by_name(family_name, problem, gpu, message):
     family, variant, other = WS_FAMILIES[family_name]
     problem = dataclasses.replace(problem, family=family_name)
-    with pytest.raises(ValueError, match=r"variant\.schedule: 'ws' " + ".*" + message.format(other=other)):
+    dims = "64, 128, 256" if family_name == "prefill" else "64, 128"
+    with pytest.raises(
+        ValueError, match=r"variant\.schedule: 'ws' " + ".*" + message.format(other=other, dims=dims)
+    ):
         family.check_variant(variant, problem, gpu)
 
 
@@ -130,6 +142,22 @@ def test_ws_space_on_hopper_only_and_searched_apart_from_fa2():
         ("prefill", 128, {"num_stages": 3}, "shared memory"),
         ("prefill", 128, {"consumers": 1, "pingpong": False, "ctas_per_sm": 2}, "shared memory"),
         ("prefill", 128, {"consumers": 1, "pingpong": False, "ctas_per_sm": 2, "block_n": 64}, None),
+        # Head dim 256: a ring of two 64-key blocks fits beside two consumers' query rows only
+        # without the output's slot; 32-key blocks keep it.
+        ("prefill", 256, {"block_n": 64, "o_store": "registers"}, None),
+        ("prefill", 256, {"block_n": 64, "o_store": "registers", "pingpong": False, "overlap": False}, None),
+        ("prefill", 256, {"block_n": 64}, "shared memory"),
+        ("prefill", 256, {"block_n": 64, "o_store": "q_slot"}, None),
+        ("prefill", 256, {"block_n": 64, "o_store": "registers", "num_stages": 3}, "shared memory"),
+        ("prefill", 256, {"block_n": 32, "num_stages": 3}, None),
+        ("prefill", 256, {"block_n": 128, "o_store": "registers", "overlap": False}, "shared memory"),
+        ("prefill", 256, {"block_n": 64, "o_store": "registers", "consumers": 3}, "registers"),
+        (
+            "prefill",
+            256,
+            {"consumers": 1, "pingpong": False, "block_n": 64, "num_stages": 3, "o_store": "registers"},
+            None,
+        ),
         ("backward", 128, {}, None),
         ("backward", 128, {"num_stages": 3}, None),
         ("backward", 128, {"num_stages": 4}, "shared memory"),
@@ -173,6 +201,10 @@ KNOBS = [
         WS, mask_branch=True, consumers=3, block_n=64, persistent=True, dynamic=True, q_stages=2
     ),
     dataclasses.replace(PAIR, mask_branch=True, block_m=128, persistent=True, dynamic=True, q_stages=2),
+    dataclasses.replace(WS, o_store="registers"),
+    dataclasses.replace(WS, o_store="registers", persistent=True, dynamic=True, q_stages=2, order="grouped"),
+    dataclasses.replace(WS, o_store="q_slot"),
+    dataclasses.replace(WS, o_store="q_slot", persistent=True, dynamic=True, q_stages=2, order="grouped"),
 ]
 
 
@@ -318,11 +350,12 @@ def test_persistent_programs_walk_many_tiles(variant, nq, nk, d):
 
 @pytest.mark.gpu
 @HOPPER
-def test_public_call_serves_the_hopper_default():
+@pytest.mark.parametrize(("d", "dtype"), [(128, torch.bfloat16), (256, torch.bfloat16), (256, torch.float16)])
+def test_public_call_serves_the_hopper_default(d, dtype):
     """tunegen.attention on an sm_90 GPU: whatever the defaults pick, the answer is right."""
-    q, k, v = _inputs(2, 16, 4, 1500, 1500, 128, torch.bfloat16, seed=13)
+    q, k, v = _inputs(2, 16, 4, 1500, 1500, d, dtype, seed=13 + d)
     for causal in (False, True):
         out, lse = tunegen.attention(q, k, v, causal=causal, return_lse=True, strict=True)
-        ref, ref_lse = attention_reference(q, k, v, causal=causal, scale=128**-0.5)
+        ref, ref_lse = attention_reference(q, k, v, causal=causal, scale=d**-0.5)
         assert rel_err(out, ref) < REL_TOL[q.dtype]
         assert_lse(lse, ref_lse, q.dtype)

@@ -23,9 +23,12 @@ def _form(variant):
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("kv_heads", [None, 4], ids=["mha", "gqa"])
 def test_every_suite_default_is_a_variant_the_schedule_takes(fp8, kv_heads):
-    """The H100 defaults of every suite row (both masks, N = 512 to 32k) build as Variants that
-    the family checks and constrains, so that no public call meets a default it refuses."""
-    for shape in prefill_suite((512, 1024, 2048, 4096, 8192, 16384, 32768), (64, 128), kv_heads=kv_heads):
+    """The H100 defaults of every suite row (both masks, N = 512 to 32k, head dims 64 to 256) build
+    as Variants that the family checks and constrains, so that no public call meets a default it
+    refuses."""
+    for shape in prefill_suite(
+        (512, 1024, 2048, 4096, 8192, 16384, 32768), (64, 128, 256), kv_heads=kv_heads
+    ):
         problem = dataclasses.replace(shape.problem("bfloat16"), fp8=fp8)
         variant = prefill.FAMILY.default_variant(problem, H100)
         prefill.FAMILY.check_variant(variant, problem, H100)
@@ -139,3 +142,19 @@ def test_two_programs_per_sm_on_the_dynamic_scheduler_keep_to_the_grouped_order_
     assert prefill.FAMILY.constraint(pair, dataclasses.replace(causal, causal=False), H100) is None
     one = pair.replace(block_m=64, ctas_per_sm=1)
     assert prefill.FAMILY.constraint(one, causal, H100) is None
+
+
+def test_head_dim_256_takes_two_consumers_through_the_query_slot():
+    """Head dim 256 (issue33_h100.md): two consumers of 64 rows over 64-key blocks, the output
+    leaving through the query slot (no room for one of its own), one tile a program; causal tiles
+    heaviest first, with overlap past 2048 tokens, and always without a mask."""
+    for shape in prefill_suite((512, 1024, 2048, 4096, 8192, 16384), (256,)):
+        variant = prefill.FAMILY.default_variant(shape.problem("bfloat16"), H100)
+        assert variant.schedule == "ws" and (variant.consumers, variant.block_m, variant.block_n) == (
+            2,
+            64,
+            64,
+        )
+        assert variant.o_store == "q_slot" and not variant.persistent, shape
+        assert variant.overlap == (not shape.causal or shape.seqlen > 2048), shape
+        assert (variant.order == "grouped" and variant.reverse_m) == shape.causal, shape

@@ -32,6 +32,9 @@ VARIANTS = [
     # The masked blocks at both ends in copies of the loop rather than its branch.
     dataclasses.replace(WS, mask_branch=False, **DYNAMIC, order="grouped", reverse_m=True),
     dataclasses.replace(PAIR, mask_branch=False, overlap=False, **DYNAMIC, order="grouped"),
+    # Head dim 256's forms (the output through the query slot or from registers).
+    dataclasses.replace(WS, block_n=64, o_store="q_slot"),
+    dataclasses.replace(WS, block_n=64, o_store="registers", overlap=False, order="grouped", reverse_m=True),
 ]
 INSTALLED = dataclasses.replace(H100, triton_version=triton.__version__)
 # (causal, window_size, attention_chunk, softcap, sinks): windows and chunks several key blocks wide
@@ -91,7 +94,7 @@ def _reference(q, k, v, causal, **local):
 
 @pytest.mark.gpu
 @HOPPER
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("name", list(FEATURES))
 def test_features_against_float64(name, d):
     """Every Variant kind at lengths that are no multiple of any tile, both ways (rows at negative

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from tunegen.kernels import releases
-from tunegen.kernels.families.prefill_ws import REGISTER_FILE, check_ws
+from tunegen.kernels.families.prefill_ws import REGISTER_FILE, WS_BACKWARD_HEAD_DIMS, check_ws
 from tunegen.kernels.gpu import Gpu
 from tunegen.kernels.problem import Problem
 
@@ -30,8 +30,9 @@ SPARE_REGISTERS = 16
 
 def check_ws_backward(problem: Problem, gpu: Gpu) -> None:
     """Where the backward's schedule "ws" runs (a ValueError saying why not): the prefill schedule's
-    GPU, releases and inputs (`check_ws`), windows, chunks, the cap and sinks included."""
-    check_ws(problem, gpu, fallback="loops")
+    GPU, releases and inputs (`check_ws`) at head dims 64 and 128, windows, chunks, the cap and
+    sinks included."""
+    check_ws(problem, gpu, fallback="loops", head_dims=WS_BACKWARD_HEAD_DIMS)
 
 
 def runs_ws_backward(problem: Problem, gpu: Gpu) -> bool:

@@ -19,6 +19,7 @@ from tunegen.kernels.families.prefill_ws import (
     REGISTER_FILE,
     WS_KNOBS,
     check_ws,
+    check_ws_knobs,
     check_ws_variant,
     runs_ws,
     ws_constraint,
@@ -67,7 +68,10 @@ class PrefillVariant(Variant):
     producer_regs, the TMA producer's registers per thread (the consumers share the rest);
     ctas_per_sm, programs sharing an SM (2: one consumer each, registers capped at launch);
     mask_branch, one key-block loop masking in a branch, not a second, masked copy (the kernel a
-    fifth shorter); order and reverse_m. num_warps is 4. Knobs that do not apply to a schedule
+    fifth shorter); o_store, how each consumer's output leaves: by TMA from a slot of shared memory
+    of its own ("slot"), by TMA through its query slot, whose next rows then wait for the store
+    ("q_slot", 16-bit inputs), or from registers ("registers"), the last two leaving head dim 256
+    room for its K/V ring; order and reverse_m. num_warps is 4. Knobs that do not apply to a schedule
     keep their defaults, so that two different Variants are always two different kernels.
     """
 
@@ -95,6 +99,7 @@ class PrefillVariant(Variant):
     mask_branch: bool = False
     l2_share: int = 2
     stream_k: bool = False
+    o_store: str = "slot"
 
     @property
     def consumer_regs(self) -> int:
@@ -140,36 +145,7 @@ class PrefillVariant(Variant):
                     raise ValueError(f"{name}: a knob of schedule 'ws'; schedule 'fa2' keeps its default")
 
     def _check_ws(self) -> None:
-        if self.block_m not in (64, 128):
-            raise ValueError(f"block_m: schedule 'ws' takes 64 or 128 rows per consumer, got {self.block_m}")
-        if self.block_n < 32:
-            raise ValueError(f"block_n: schedule 'ws' takes key blocks of 32 to 256 rows, got {self.block_n}")
-        if self.num_warps != 4:
-            raise ValueError(f"num_warps: schedule 'ws' takes 4 (a warpgroup), got {self.num_warps}")
-        if not 2 <= self.num_stages <= 4:
-            raise ValueError(f"num_stages: schedule 'ws' takes a ring of 2 to 4 slots, got {self.num_stages}")
-        if self.consumers not in (1, 2, 3):
-            raise ValueError(f"consumers: expected 1, 2 or 3 warpgroups, got {self.consumers}")
-        if self.pingpong and self.consumers == 1:
-            raise ValueError("pingpong: consumers take turns, so it needs at least 2")
-        if self.producer_regs not in (24, 32, 40, 56):
-            raise ValueError(f"producer_regs: expected 24, 32, 40 or 56, got {self.producer_regs}")
-        if self.ctas_per_sm not in (1, 2):
-            raise ValueError(f"ctas_per_sm: expected 1 or 2, got {self.ctas_per_sm}")
-        if self.ctas_per_sm == 2 and self.consumers != 1:
-            raise ValueError("ctas_per_sm: two programs per SM leave registers for one consumer each")
-        if self.dynamic and not self.persistent:
-            raise ValueError("dynamic: a scheduler of persistent programs, so it needs persistent=True")
-        if self.stream_k and not self.dynamic:
-            raise ValueError(
-                "stream_k: ranges of the tail handed out by the dynamic scheduler, so it needs dynamic=True"
-            )
-        if self.q_stages not in (1, 2):
-            raise ValueError(f"q_stages: expected 1 or 2 query slots per consumer, got {self.q_stages}")
-        if self.q_stages == 2 and not self.persistent:
-            raise ValueError(
-                "q_stages: a second query slot serves a program's next tile, so it needs persistent=True"
-            )
+        check_ws_knobs(self)
         for name in FA2_KNOBS:
             if getattr(self, name) != PrefillVariant.__dataclass_fields__[name].default:
                 raise ValueError(f"{name}: a knob of schedule 'fa2'; schedule 'ws' keeps its default")
@@ -194,6 +170,8 @@ def _check_fp8(variant: PrefillVariant, problem: Problem, gpu: Gpu) -> None:
         )
     if variant.mask_branch:
         raise ValueError("variant.mask_branch: fp8 masks its scores after scaling them (a descale may be 0)")
+    if variant.o_store == "q_slot":
+        raise ValueError("variant.o_store: fp8's query slots hold e4m3 rows, too small for the bf16 output")
     if gpu.backend == "cuda" and gpu.capability < (8, 9):
         raise ValueError(
             f"problem.fp8: e4m3 tensor-core products need compute capability 8.9 or newer, "
@@ -337,6 +315,7 @@ class PrefillFamily:
                 dynamic=[False, True],
                 q_stages=[1, 2],
                 mask_branch=[False] if problem.fp8 else [False, True],
+                o_store=["slot", "registers"] + ([] if problem.fp8 else ["q_slot"]),
                 stream_k=[False, True]
                 if not (problem.causal or problem.fp8 or problem.model_features)
                 else [False],

@@ -1,6 +1,6 @@
 """Where the prefill family's Hopper schedule ("ws", FlashAttention-3's warp-specialized loop in
-Gluon) runs: the GPU, the Triton release, the inputs it was written for, and the shared memory
-and registers a Variant of it needs."""
+Gluon) runs: the GPU, the Triton release, the inputs it was written for, the values its knobs
+take, and the shared memory and registers a Variant of it needs."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ from tunegen.kernels.gpu import Gpu
 from tunegen.kernels.problem import Problem
 from tunegen.kernels.variant import Variant
 
-WS_HEAD_DIMS = (64, 128)
+WS_HEAD_DIMS = (64, 128, 256)
+# The backward's Hopper schedule holds dK and dV tiles beside its own: sized for these.
+WS_BACKWARD_HEAD_DIMS = (64, 128)
 # Knobs of persistent programs: how they take tiles, and query slots for the next tile.
 PERSISTENT_KNOBS = ("dynamic", "q_stages")
 WS_KNOBS = (
@@ -23,16 +25,19 @@ WS_KNOBS = (
     "ctas_per_sm",
     "mask_branch",
     "stream_k",
+    "o_store",
     *PERSISTENT_KNOBS,
 )
 REGISTER_FILE = 65536  # 32-bit registers per SM on every GPU tunegen targets
 
 
-def check_ws(problem: Problem, gpu: Gpu, fallback: str = "fa2") -> None:
+def check_ws(
+    problem: Problem, gpu: Gpu, fallback: str = "fa2", head_dims: tuple[int, ...] = WS_HEAD_DIMS
+) -> None:
     """Where schedule "ws" runs: Hopper's wgmma and TMA (sm_90; not the interpreter, which cannot
     run Gluon), Gluon as of Triton 3.6, 16-bit inputs or FP8 (at the head dims where the release
     compiles it without spilling, `Release.ws_fp8_head_dims`) whose rows TMA can address, head dims
-    its register budget was sized for, and dense batches (with current models' features too, as
+    its register budget was sized for (`head_dims`), and dense batches (with current models' features too, as
     `check_ws_variant` says; FP8 renders none of them: `Family.fp8_model_features`). The errors
     name the family's other schedule, `fallback`, which runs the rest (the backward family's is
     "loops")."""
@@ -48,15 +53,56 @@ def check_ws(problem: Problem, gpu: Gpu, fallback: str = "fa2") -> None:
         )
     if problem.dtype not in ("float16", "bfloat16"):
         raise ValueError(f"variant.schedule: 'ws' takes float16 or bfloat16 inputs, got {problem.dtype}")
-    if problem.head_dim not in WS_HEAD_DIMS:
+    if problem.head_dim not in head_dims:
         raise ValueError(
-            f"variant.schedule: 'ws' takes head dims {WS_HEAD_DIMS}, got {problem.head_dim} "
+            f"variant.schedule: 'ws' takes head dims {head_dims}, got {problem.head_dim} "
             f"({fallback!r} runs it)"
         )
     if problem.varlen:
         raise ValueError(f"variant.schedule: 'ws' runs dense batches; varlen takes {fallback!r}")
     if not problem.aligned:
         raise ValueError("variant.schedule: 'ws' loads by TMA, which needs 16-byte aligned bases and strides")
+
+
+# How a consumer's output leaves: by TMA from its own slot or its query slot, or from registers.
+O_STORES = ("slot", "q_slot", "registers")
+
+
+def check_ws_knobs(variant: Variant) -> None:
+    """The knobs of a schedule "ws" Variant, each within what the template renders (a ValueError
+    naming the knob), and with the knobs it needs."""
+    if variant.block_m not in (64, 128):
+        raise ValueError(f"block_m: schedule 'ws' takes 64 or 128 rows per consumer, got {variant.block_m}")
+    if variant.block_n < 32:
+        raise ValueError(f"block_n: schedule 'ws' takes key blocks of 32 to 256 rows, got {variant.block_n}")
+    if variant.num_warps != 4:
+        raise ValueError(f"num_warps: schedule 'ws' takes 4 (a warpgroup), got {variant.num_warps}")
+    if not 2 <= variant.num_stages <= 4:
+        raise ValueError(f"num_stages: schedule 'ws' takes a ring of 2 to 4 slots, got {variant.num_stages}")
+    if variant.consumers not in (1, 2, 3):
+        raise ValueError(f"consumers: expected 1, 2 or 3 warpgroups, got {variant.consumers}")
+    if variant.pingpong and variant.consumers == 1:
+        raise ValueError("pingpong: consumers take turns, so it needs at least 2")
+    if variant.producer_regs not in (24, 32, 40, 56):
+        raise ValueError(f"producer_regs: expected 24, 32, 40 or 56, got {variant.producer_regs}")
+    if variant.ctas_per_sm not in (1, 2):
+        raise ValueError(f"ctas_per_sm: expected 1 or 2, got {variant.ctas_per_sm}")
+    if variant.ctas_per_sm == 2 and variant.consumers != 1:
+        raise ValueError("ctas_per_sm: two programs per SM leave registers for one consumer each")
+    if variant.dynamic and not variant.persistent:
+        raise ValueError("dynamic: a scheduler of persistent programs, so it needs persistent=True")
+    if variant.stream_k and not variant.dynamic:
+        raise ValueError(
+            "stream_k: ranges of the tail handed out by the dynamic scheduler, so it needs dynamic=True"
+        )
+    if variant.o_store not in O_STORES:
+        raise ValueError(f"o_store: expected one of {O_STORES}, got {variant.o_store!r}")
+    if variant.q_stages not in (1, 2):
+        raise ValueError(f"q_stages: expected 1 or 2 query slots per consumer, got {variant.q_stages}")
+    if variant.q_stages == 2 and not variant.persistent:
+        raise ValueError(
+            "q_stages: a second query slot serves a program's next tile, so it needs persistent=True"
+        )
 
 
 def check_ws_variant(variant: Variant, problem: Problem) -> None:
@@ -84,12 +130,13 @@ def ws_tile_registers(variant: Variant, head_dim: int) -> int:
 
 
 def ws_constraint(variant: Variant, problem: Problem, gpu: Gpu) -> str | None:
-    """Schedule "ws" within the GPU's shared memory (every consumer's `q_stages` query tiles and
-    output tile, and the K/V ring) and each consumer's registers: its tiles (`ws_tile_registers`)
-    plus the spare registers the release needs for the rest (`Release.ws_spare_registers`,
-    calibrated on sm_90 compiles of each checked release by benchmarks/ws_registers.py: within the
-    bound, ptxas spills at most 48 bytes per thread), and where the release needs it a second
-    output tile for the stream-K merge (`Release.ws_merge_tile`). Under a causal mask (or a window
+    """Schedule "ws" within the GPU's shared memory (every consumer's `q_stages` query tiles and,
+    with `o_store` "slot", output tile, and the K/V ring) and each consumer's registers: its tiles
+    (`ws_tile_registers`) plus the spare registers the release needs for the rest
+    (`Release.ws_spare_registers`, calibrated on sm_90 compiles of each checked release by
+    benchmarks/ws_registers.py: within the bound, ptxas spills at most 48 bytes per thread), and
+    where the release needs it a second output tile for the stream-K merge
+    (`Release.ws_merge_tile`). Under a causal mask (or a window
     or chunk, whose tiles may see no key too), two programs per SM on the dynamic scheduler take
     order "grouped": with "m_inner" they left whole tiles unwritten now and then, where tiles that
     see no key mixed with the others (H100, Triton 3.6; issue31_h100.md, fifth session), and no
@@ -99,7 +146,11 @@ def ws_constraint(variant: Variant, problem: Problem, gpu: Gpu) -> str | None:
         return "order: two programs per SM on the dynamic scheduler take 'grouped' under a mask"
     d = problem.head_dim
     size = 1 if problem.fp8 else 2  # bytes per element of Q, K and V; the output is 16-bit
-    tiles = variant.consumers * variant.block_m * (variant.q_stages * size + 2)
+    tiles = (
+        variant.consumers
+        * variant.block_m
+        * (variant.q_stages * size + (2 if variant.o_store == "slot" else 0))
+    )
     tiles += 2 * variant.num_stages * variant.block_n * size
     smem = tiles * d + 1024
     # An SM holds one block's maximum plus 1 KB that each resident block reserves.
@@ -164,8 +215,9 @@ def _ws_measured(problem: Problem, two: Any, gpu: Gpu) -> Any:
     tokens one 128-row consumer over a third stage of keys instead); `mask_branch` also at causal
     head dim 64 past 4096. Longer causal prompts at head dim 128 overlap each consumer's softmax
     with its products, apart, but in turns on the H200 past 4096 tokens. Without a mask, prompts
-    up to 1024 tokens take two consumers without overlap: turns at head dim 128, apart at 64. A
-    window or chunk counts as a prompt of its span (`attended_length`)."""
+    up to 1024 tokens take two consumers without overlap: turns at head dim 128, apart at 64. Head
+    dim 256 (issue33_h100.md; on the H200 unmeasured) runs one tile per program, its output through
+    the query slot. A window or chunk counts as a prompt of its span (`attended_length`)."""
     if not runs_ws(problem, gpu):
         return None
     if problem.batch * problem.num_heads_q * -(-problem.seqlen_q // 128) < gpu.sm_count:
@@ -182,6 +234,15 @@ def _ws_measured(problem: Problem, two: Any, gpu: Gpu) -> Any:
         small = short if gpu.model != "h200" else n <= (1024 if problem.head_dim == 128 else 512)
         # The smaller groups: +5% at head dim 128 and 512 tokens (issue31_h100.md, fifth session).
         dynamic.update(order="grouped", reverse_m=True, l2_share=8 if small else 2)
+    if problem.head_dim == 256:
+        # What fits beside two consumers' 64 query rows: 64-key blocks in a ring of two, the output
+        # through the query slot (up to 1.54x storing it from registers at 1024 tokens, 0.98x to
+        # 1.07x at 16k), one tile a program (0.99x to 1.10x the dynamic scheduler), overlap but
+        # for causal prompts up to 2048 tokens.
+        wide = two.replace(block_n=64, o_store="q_slot")
+        if problem.causal:
+            return wide.replace(overlap=n > 2048, order="grouped", reverse_m=True)
+        return wide
     # Two consumers taking turns, without overlap inside each (as cuDNN's kernel runs them).
     turns = two.replace(pingpong=True, overlap=False, **dynamic)
     if problem.head_dim == 128:
