@@ -29,6 +29,7 @@ from sweep import time_in_rounds
 
 from tunegen.kernels import peers
 from tunegen.kernels.families import base, prefill
+from tunegen.kernels.families.operands import block_d
 from tunegen.kernels.gpu import cuda_gpu
 from tunegen.kernels.launch_args import PrefillArgs
 from tunegen.kernels.reference import TOLERANCE, attention_reference, sampled_error
@@ -104,6 +105,8 @@ WS = {  # schedule "ws": block_m, block_n, num_stages, consumers, pingpong, over
         (64, 64, 2, 1, False, True, 1, {"q_stages": 2}),
     ],
 }
+# A head dim between powers of two runs in tiles of the next one: a few of that one's rows.
+PADDED_ROWS = {128: slice(0, 4), 256: slice(1, 5)}
 PEERS = ("sdpa-cudnn", "sdpa-flash")
 
 
@@ -132,8 +135,9 @@ def ws_variant(
 
 def candidates(head_dim: int, causal: bool, schedules: list[str]) -> list[prefill.PrefillVariant]:
     """The Variants tried per (head dim, causal): for "ws" each tile shape also persistent and, for
-    causal, heaviest query blocks first within L2-sized groups of heads (at head dim 256, each
-    tile shape launched per tile or persistent on the dynamic scheduler, causal only so)."""
+    causal, heaviest query blocks first within L2-sized groups of heads (at head dim 256 and the
+    head dims padded to 128 or 256, each tile shape launched per tile or persistent on the dynamic
+    scheduler, causal only so)."""
     orders = [("head_inner", True), ("m_inner", False)] if causal else [("m_inner", False)]
     out = []
     if "fa2" in schedules:
@@ -143,13 +147,15 @@ def candidates(head_dim: int, causal: bool, schedules: list[str]) -> list[prefil
                     block_m=bm, block_n=bn, num_warps=w, num_stages=s, load=load, order=order, reverse_m=rev
                 )
             )
-    if "ws" in schedules and head_dim in WS:
+    padded = head_dim not in WS and block_d(head_dim) in WS
+    if "ws" in schedules and (head_dim in WS or padded):
         ws_orders = [("grouped", True), ("m_inner", False)] if causal else [("m_inner", False)]
         walks = [(False, False), (True, False)]
-        if head_dim == 256:
+        rows = WS[head_dim] if head_dim in WS else WS[block_d(head_dim)][PADDED_ROWS[block_d(head_dim)]]
+        if head_dim == 256 or padded:
             walks = [(False, False), (True, True)]
             ws_orders = ws_orders[:1]
-        for tiles, (order, rev), walk in itertools.product(WS[head_dim], ws_orders, walks):
+        for tiles, (order, rev), walk in itertools.product(rows, ws_orders, walks):
             try:
                 out.append(ws_variant(tiles, order, rev, *walk))
             except ValueError:  # a second query slot serves persistent programs only

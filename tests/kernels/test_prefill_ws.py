@@ -86,9 +86,9 @@ WS_FAMILIES = {
         (PROBLEM, dataclasses.replace(H100, triton_version="3.5.1"), "Triton >= 3.6, not 3.5"),
         (dataclasses.replace(PROBLEM, dtype="float32"), H100, "takes float16 or bfloat16"),
         (
-            dataclasses.replace(PROBLEM, head_dim=96),
+            dataclasses.replace(PROBLEM, head_dim=72),
             H100,
-            "head dims \\({dims}\\), got 96 \\('{other}' runs",
+            "head dims {dims}, got 72 \\('{other}' runs",
         ),
         (dataclasses.replace(PROBLEM, varlen=True), H100, "varlen takes '{other}'"),
         (dataclasses.replace(PROBLEM, aligned=False), H100, "16-byte aligned"),
@@ -97,7 +97,7 @@ WS_FAMILIES = {
 def test_ws_refuses_what_it_cannot_run_by_name(family_name, problem, gpu, message):
     family, variant, other = WS_FAMILIES[family_name]
     problem = dataclasses.replace(problem, family=family_name)
-    dims = "64, 128, 256" if family_name == "prefill" else "64, 128"
+    dims = "64 to 256 in steps of 16" if family_name == "prefill" else "\\(64, 128\\)"
     with pytest.raises(
         ValueError, match=r"variant\.schedule: 'ws' " + ".*" + message.format(other=other, dims=dims)
     ):
@@ -108,7 +108,8 @@ def test_ws_space_on_hopper_only_and_searched_apart_from_fa2():
     space = prefill.FAMILY.search_space(PROBLEM, H100)
     assert space["schedule"] == ["fa2", "ws"] and space["consumers"] == [1, 2, 3]
     assert prefill.FAMILY.search_space(PROBLEM, interpreter_gpu())["schedule"] == ["fa2"]
-    assert "consumers" not in prefill.FAMILY.search_space(dataclasses.replace(PROBLEM, head_dim=96), H100)
+    assert "consumers" not in prefill.FAMILY.search_space(dataclasses.replace(PROBLEM, head_dim=72), H100)
+    assert "consumers" in prefill.FAMILY.search_space(dataclasses.replace(PROBLEM, head_dim=96), H100)
     picked = base.choose(prefill.FAMILY, space, lambda name, values: values[-1])
     assert picked["schedule"] == "ws" and "num_warps" not in picked and "load" not in picked
     fa2 = base.choose(prefill.FAMILY, space, lambda name, values: values[0])
@@ -350,7 +351,16 @@ def test_persistent_programs_walk_many_tiles(variant, nq, nk, d):
 
 @pytest.mark.gpu
 @HOPPER
-@pytest.mark.parametrize(("d", "dtype"), [(128, torch.bfloat16), (256, torch.bfloat16), (256, torch.float16)])
+@pytest.mark.parametrize(
+    ("d", "dtype"),
+    [
+        (128, torch.bfloat16),
+        (256, torch.bfloat16),
+        (256, torch.float16),
+        (96, torch.bfloat16),
+        (192, torch.float16),
+    ],
+)
 def test_public_call_serves_the_hopper_default(d, dtype):
     """tunegen.attention on an sm_90 GPU: whatever the defaults pick, the answer is right."""
     q, k, v = _inputs(2, 16, 4, 1500, 1500, d, dtype, seed=13 + d)

@@ -23,11 +23,11 @@ def _form(variant):
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("kv_heads", [None, 4], ids=["mha", "gqa"])
 def test_every_suite_default_is_a_variant_the_schedule_takes(fp8, kv_heads):
-    """The H100 defaults of every suite row (both masks, N = 512 to 32k, head dims 64 to 256) build
-    as Variants that the family checks and constrains, so that no public call meets a default it
-    refuses."""
+    """The H100 defaults of every suite row (both masks, N = 512 to 32k, head dims 64 to 256, 96 and
+    192 padded) build as Variants that the family checks and constrains, so that no public call
+    meets a default it refuses."""
     for shape in prefill_suite(
-        (512, 1024, 2048, 4096, 8192, 16384, 32768), (64, 128, 256), kv_heads=kv_heads
+        (512, 1024, 2048, 4096, 8192, 16384, 32768), (64, 96, 128, 192, 256), kv_heads=kv_heads
     ):
         problem = dataclasses.replace(shape.problem("bfloat16"), fp8=fp8)
         variant = prefill.FAMILY.default_variant(problem, H100)

@@ -1,6 +1,7 @@
-"""The Hopper schedule ("ws") of the prefill family at head dim 256, on an sm_90 GPU: each form
-it runs there against float64 at ragged lengths, GQA, batch 2, into poisoned outputs (the CPU
-rules, constraint and defaults are in test_prefill_ws.py and test_prefill_ws_defaults.py)."""
+"""The Hopper schedule ("ws") of the prefill family at head dim 256 and at head dims between
+powers of two, on an sm_90 GPU: each form it runs there against float64 at ragged lengths, GQA,
+batch 2, into poisoned outputs (the CPU rules, constraint and defaults are in test_prefill_ws.py
+and test_prefill_ws_defaults.py)."""
 
 from __future__ import annotations
 
@@ -67,3 +68,28 @@ def test_head_dim_256_against_float64(variant, nq, nk, causal):
     out = _check(variant, q, k, v, causal)
     if causal and nq > nk:
         assert torch.all(out[:, :, : nq - nk] == 0)
+
+
+# Head dims between powers of two, in tiles of the next one: the padding columns read as zeros and
+# are never stored, by TMA (clipped at the head dim) or from registers (masked).
+PADDED = [
+    dataclasses.replace(WS, pingpong=False),
+    dataclasses.replace(WS, block_n=64, pingpong=False, o_store="q_slot"),
+    dataclasses.replace(WS, block_n=64, o_store="registers", persistent=True, dynamic=True, order="grouped"),
+]
+
+
+@pytest.mark.gpu
+@HOPPER
+@pytest.mark.parametrize("variant", PADDED, ids=lambda v: v.to_json())
+@pytest.mark.parametrize("d", [80, 96, 192])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_padded_head_dims_against_float64(variant, d, causal):
+    problem = dataclasses.replace(PROBLEM, head_dim=d)
+    if prefill.FAMILY.constraint(variant, problem, INSTALLED):
+        pytest.skip("outside the constraint at this head dim on this Triton")
+    for nq, nk in [(333, 333), (200, 517), (517, 190)]:
+        q, k, v = _inputs(2, 4, 2, nq, nk, d, torch.bfloat16, seed=nq * 3 + nk + d)
+        out = _check(variant, q, k, v, causal)
+        if causal and nq > nk:
+            assert torch.all(out[:, :, : nq - nk] == 0)

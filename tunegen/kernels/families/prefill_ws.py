@@ -7,11 +7,14 @@ from __future__ import annotations
 from typing import Any
 
 from tunegen.kernels import releases
+from tunegen.kernels.families.operands import block_d
 from tunegen.kernels.gpu import Gpu
 from tunegen.kernels.problem import Problem
 from tunegen.kernels.variant import Variant
 
-WS_HEAD_DIMS = (64, 128, 256)
+# Multiples of 16 from 64 to 256, in tiles of the next power of two (`block_d`) whose padding
+# columns TMA fills with zeros.
+WS_HEAD_DIMS = tuple(range(64, 257, 16))
 # The backward's Hopper schedule holds dK and dV tiles beside its own: sized for these.
 WS_BACKWARD_HEAD_DIMS = (64, 128)
 # Knobs of persistent programs: how they take tiles, and query slots for the next tile.
@@ -31,16 +34,23 @@ WS_KNOBS = (
 REGISTER_FILE = 65536  # 32-bit registers per SM on every GPU tunegen targets
 
 
+def _named(head_dims: tuple[int, ...]) -> str:
+    """Head dims as an error names them: a run of multiples of 16 as its ends."""
+    if len(head_dims) > 3 and head_dims == tuple(range(head_dims[0], head_dims[-1] + 1, 16)):
+        return f"{head_dims[0]} to {head_dims[-1]} in steps of 16"
+    return str(head_dims)
+
+
 def check_ws(
     problem: Problem, gpu: Gpu, fallback: str = "fa2", head_dims: tuple[int, ...] = WS_HEAD_DIMS
 ) -> None:
     """Where schedule "ws" runs: Hopper's wgmma and TMA (sm_90; not the interpreter, which cannot
     run Gluon), Gluon as of Triton 3.6, 16-bit inputs or FP8 (at the head dims where the release
     compiles it without spilling, `Release.ws_fp8_head_dims`) whose rows TMA can address, head dims
-    its register budget was sized for (`head_dims`), and dense batches (with current models' features too, as
-    `check_ws_variant` says; FP8 renders none of them: `Family.fp8_model_features`). The errors
-    name the family's other schedule, `fallback`, which runs the rest (the backward family's is
-    "loops")."""
+    its register budget was sized for (`head_dims`, in tiles of the next power of two), and dense
+    batches (with current models' features too, as `check_ws_variant` says; FP8 renders none of
+    them: `Family.fp8_model_features`). The errors name the family's other schedule, `fallback`,
+    which runs the rest (the backward family's is "loops")."""
     if gpu.backend != "cuda" or gpu.capability != (9, 0):
         where = "Triton's interpreter" if gpu.backend == "interpreter" else f"{gpu.name} {gpu.capability}"
         raise ValueError(f"variant.schedule: 'ws' needs a Hopper GPU (sm_90), not {where}")
@@ -55,7 +65,7 @@ def check_ws(
         raise ValueError(f"variant.schedule: 'ws' takes float16 or bfloat16 inputs, got {problem.dtype}")
     if problem.head_dim not in head_dims:
         raise ValueError(
-            f"variant.schedule: 'ws' takes head dims {head_dims}, got {problem.head_dim} "
+            f"variant.schedule: 'ws' takes head dims {_named(head_dims)}, got {problem.head_dim} "
             f"({fallback!r} runs it)"
         )
     if problem.varlen:
@@ -144,7 +154,7 @@ def ws_constraint(variant: Variant, problem: Problem, gpu: Gpu) -> str | None:
     masked = problem.causal or problem.local
     if masked and variant.ctas_per_sm == 2 and variant.dynamic and variant.order != "grouped":
         return "order: two programs per SM on the dynamic scheduler take 'grouped' under a mask"
-    d = problem.head_dim
+    d = block_d(problem.head_dim)
     size = 1 if problem.fp8 else 2  # bytes per element of Q, K and V; the output is 16-bit
     tiles = (
         variant.consumers
@@ -217,7 +227,9 @@ def _ws_measured(problem: Problem, two: Any, gpu: Gpu) -> Any:
     with its products, apart, but in turns on the H200 past 4096 tokens. Without a mask, prompts
     up to 1024 tokens take two consumers without overlap: turns at head dim 128, apart at 64. Head
     dim 256 (issue33_h100.md; on the H200 unmeasured) runs one tile per program, its output through
-    the query slot. A window or chunk counts as a prompt of its span (`attended_length`)."""
+    the query slot. A head dim between powers of two takes the rules of its tile's (`block_d`):
+    96 measured 1.02x to 1.13x cuDNN by 128's, 192 0.79x to 0.89x by 256's (FA2's loop 0.55x to
+    0.72x). A window or chunk counts as a prompt of its span (`attended_length`)."""
     if not runs_ws(problem, gpu):
         return None
     if problem.batch * problem.num_heads_q * -(-problem.seqlen_q // 128) < gpu.sm_count:
@@ -229,12 +241,13 @@ def _ws_measured(problem: Problem, two: Any, gpu: Gpu) -> Any:
             return two.replace(overlap=False, order="grouped", reverse_m=True)
         return two.replace(num_stages=3, persistent=True)
     dynamic = {"persistent": True, "dynamic": True, "q_stages": 2}
-    short = n <= (2048 if problem.head_dim == 128 else 4096)
+    d = block_d(problem.head_dim)
+    short = n <= (2048 if d == 128 else 4096)
     if problem.causal:
-        small = short if gpu.model != "h200" else n <= (1024 if problem.head_dim == 128 else 512)
+        small = short if gpu.model != "h200" else n <= (1024 if d == 128 else 512)
         # The smaller groups: +5% at head dim 128 and 512 tokens (issue31_h100.md, fifth session).
         dynamic.update(order="grouped", reverse_m=True, l2_share=8 if small else 2)
-    if problem.head_dim == 256:
+    if d == 256:
         # What fits beside two consumers' 64 query rows: 64-key blocks in a ring of two, the output
         # through the query slot (up to 1.54x storing it from registers at 1024 tokens, 0.98x to
         # 1.07x at 16k), one tile a program (0.99x to 1.10x the dynamic scheduler), overlap but
@@ -245,7 +258,7 @@ def _ws_measured(problem: Problem, two: Any, gpu: Gpu) -> Any:
         return wide
     # Two consumers taking turns, without overlap inside each (as cuDNN's kernel runs them).
     turns = two.replace(pingpong=True, overlap=False, **dynamic)
-    if problem.head_dim == 128:
+    if d == 128:
         if not problem.causal:
             return turns if n <= 1024 else two.replace(**dynamic)
         # Causal: the two consumers apart, not in turns (+0.0% to +2.7% on the H100 from 1k to 16k,
