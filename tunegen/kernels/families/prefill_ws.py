@@ -226,10 +226,11 @@ def _ws_measured(problem: Problem, two: Any, gpu: Gpu) -> Any:
     head dim 64 past 4096. Longer causal prompts at head dim 128 overlap each consumer's softmax
     with its products, apart, but in turns on the H200 past 4096 tokens. Without a mask, prompts
     up to 1024 tokens take two consumers without overlap: turns at head dim 128, apart at 64. Head
-    dim 256 (issue33_h100.md; on the H200 unmeasured) runs one tile per program, its output through
-    the query slot. A head dim between powers of two takes the rules of its tile's (`block_d`):
-    96 measured 1.02x to 1.13x cuDNN by 128's, 192 0.79x to 0.89x by 256's (FA2's loop 0.55x to
-    0.72x). A window or chunk counts as a prompt of its span (`attended_length`)."""
+    dim 256 (issue33_h100.md; on the H200 within 2% of its best, issue33_h200.md) runs one tile per
+    program, its output through the query slot. A head dim between powers of two takes the rules
+    of its tile's (`block_d`): 96 measured 1.02x to 1.13x cuDNN by 128's, 192 0.79x to 0.89x by
+    256's (FA2's loop 0.55x to 0.72x). A window or chunk counts as a prompt of its span
+    (`attended_length`)."""
     if not runs_ws(problem, gpu):
         return None
     if problem.batch * problem.num_heads_q * -(-problem.seqlen_q // 128) < gpu.sm_count:
