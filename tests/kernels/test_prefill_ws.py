@@ -90,7 +90,6 @@ WS_FAMILIES = {
             H100,
             "head dims {dims}, got 72 \\('{other}' runs",
         ),
-        (dataclasses.replace(PROBLEM, varlen=True), H100, "varlen takes '{other}'"),
         (dataclasses.replace(PROBLEM, aligned=False), H100, "16-byte aligned"),
     ],
 )

@@ -32,7 +32,7 @@ def check_ws_backward(problem: Problem, gpu: Gpu) -> None:
     """Where the backward's schedule "ws" runs (a ValueError saying why not): the prefill schedule's
     GPU, releases and inputs (`check_ws`) at head dims 64 and 128, windows, chunks, the cap and
     sinks included."""
-    check_ws(problem, gpu, fallback="loops", head_dims=WS_BACKWARD_HEAD_DIMS)
+    check_ws(problem, gpu, fallback="loops", head_dims=WS_BACKWARD_HEAD_DIMS, varlen=False)
 
 
 def runs_ws_backward(problem: Problem, gpu: Gpu) -> bool:

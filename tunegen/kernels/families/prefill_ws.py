@@ -42,15 +42,20 @@ def _named(head_dims: tuple[int, ...]) -> str:
 
 
 def check_ws(
-    problem: Problem, gpu: Gpu, fallback: str = "fa2", head_dims: tuple[int, ...] = WS_HEAD_DIMS
+    problem: Problem,
+    gpu: Gpu,
+    fallback: str = "fa2",
+    head_dims: tuple[int, ...] = WS_HEAD_DIMS,
+    varlen: bool = True,
 ) -> None:
     """Where schedule "ws" runs: Hopper's wgmma and TMA (sm_90; not the interpreter, which cannot
     run Gluon), Gluon as of Triton 3.6, 16-bit inputs or FP8 (at the head dims where the release
     compiles it without spilling, `Release.ws_fp8_head_dims`) whose rows TMA can address, head dims
-    its register budget was sized for (`head_dims`, in tiles of the next power of two), and dense
-    batches (with current models' features too, as `check_ws_variant` says; FP8 renders none of
-    them: `Family.fp8_model_features`). The errors name the family's other schedule, `fallback`,
-    which runs the rest (the backward family's is "loops")."""
+    its register budget was sized for (`head_dims`, in tiles of the next power of two), dense
+    batches and, where the family's kernel packs them (`varlen`), packed ones (with current models'
+    features too, as `check_ws_variant` says; FP8 renders none of them:
+    `Family.fp8_model_features`). The errors name the family's other schedule, `fallback`, which
+    runs the rest (the backward family's is "loops")."""
     if gpu.backend != "cuda" or gpu.capability != (9, 0):
         where = "Triton's interpreter" if gpu.backend == "interpreter" else f"{gpu.name} {gpu.capability}"
         raise ValueError(f"variant.schedule: 'ws' needs a Hopper GPU (sm_90), not {where}")
@@ -68,7 +73,7 @@ def check_ws(
             f"variant.schedule: 'ws' takes head dims {_named(head_dims)}, got {problem.head_dim} "
             f"({fallback!r} runs it)"
         )
-    if problem.varlen:
+    if problem.varlen and not varlen:
         raise ValueError(f"variant.schedule: 'ws' runs dense batches; varlen takes {fallback!r}")
     if not problem.aligned:
         raise ValueError("variant.schedule: 'ws' loads by TMA, which needs 16-byte aligned bases and strides")
@@ -116,10 +121,18 @@ def check_ws_knobs(variant: Variant) -> None:
 
 
 def check_ws_variant(variant: Variant, problem: Problem) -> None:
-    """What a Problem with features of current models asks of a Variant of schedule "ws": no
-    stream-K tail (its merge knows neither the window's ranges nor the sinks)."""
+    """What a Problem asks of a Variant of schedule "ws": with features of current models, no
+    stream-K tail (its merge knows neither the window's ranges nor the sinks); packed batches take
+    their tiles from a table in order "m_inner" or "head_inner" (`_attention_varlen.j2`), which
+    have no L2 groups of heads, and no stream-K tail (whose ranges are cut from a count of tiles
+    the host knows)."""
     if variant.stream_k and problem.model_features:
         raise ValueError(f"variant.stream_k: the tail's merge renders no {sorted(problem.model_features)}")
+    if problem.varlen and (variant.order == "grouped" or variant.stream_k):
+        raise ValueError(
+            "variant.order, variant.stream_k: schedule 'ws' takes packed batches in order 'm_inner' "
+            "or 'head_inner', without a stream-K tail"
+        )
 
 
 def runs_ws(problem: Problem, gpu: Gpu) -> bool:
@@ -190,6 +203,9 @@ def ws_default(problem: Problem, variant_type: Any, gpu: Gpu) -> Any:
     # release's register budget at head dims 64 and 128.
     two = variant_type(schedule="ws", block_m=64, block_n=128, consumers=2, overlap=True)
     best = _ws_measured(problem, two, gpu)
+    if best is not None and problem.varlen:
+        # Packed batches: each sequence's tiles together, longest sequences first (`check_ws_variant`).
+        best = best.replace(order="m_inner", l2_share=2)
     if best is not None and problem.local:
         # A window's or chunk's masked blocks in the loop's branch: 1.5-6% faster than in copies
         # of the loop (H100, benchmarks/results/issue32_h100.md, session 22).
@@ -230,7 +246,10 @@ def _ws_measured(problem: Problem, two: Any, gpu: Gpu) -> Any:
     program, its output through the query slot. A head dim between powers of two takes the rules
     of its tile's (`block_d`): 96 measured 1.02x to 1.13x cuDNN by 128's, 192 0.79x to 0.89x by
     256's (FA2's loop 0.55x to 0.72x). A window or chunk counts as a prompt of its span
-    (`attended_length`)."""
+    (`attended_length`). Packed batches take these rules at their longest sequence, each
+    sequence's tiles together (order "m_inner", set by `ws_default`): on the H200, 0.94x to 1.02x
+    the dense call at equal lengths and 1.3x to 1.5x FA2's loop on mixes of lengths
+    (issue33_varlen_h200.md)."""
     if not runs_ws(problem, gpu):
         return None
     if problem.batch * problem.num_heads_q * -(-problem.seqlen_q // 128) < gpu.sm_count:
@@ -255,7 +274,10 @@ def _ws_measured(problem: Problem, two: Any, gpu: Gpu) -> Any:
         # for causal prompts up to 2048 tokens.
         wide = two.replace(block_n=64, o_store="q_slot")
         if problem.causal:
-            return wide.replace(overlap=n > 2048, order="grouped", reverse_m=True)
+            # Packed batches: no overlap, whose registers spill beside the masked store of a
+            # sequence's last rows (48 bytes a thread on Triton 3.6, 72 on 3.9).
+            overlap = n > 2048 and not problem.varlen
+            return wide.replace(overlap=overlap, order="grouped", reverse_m=True)
         return wide
     # Two consumers taking turns, without overlap inside each (as cuDNN's kernel runs them).
     turns = two.replace(pingpong=True, overlap=False, **dynamic)
