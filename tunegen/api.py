@@ -65,7 +65,8 @@ def explain(
     keep_lse = bool(a["return_lse"]) or wants_grad(q, k, v, a["sinks"])
     if target is attention_varlen:
         sizes = [a[n] for n in ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")]
-        call = PrefillCall.packed(q, k, v, *sizes, return_lse=keep_lse, **common, **local)
+        pages = {"seqused_k": a["seqused_k"], "block_table": a["block_table"]}
+        call = PrefillCall.packed(q, k, v, *sizes, return_lse=keep_lse, **common, **local, **pages)
     elif fp8_attention.requested(
         q, a["precision"], a["hadamard"], [a[n] for n in fp8_attention.DESCALE_NAMES]
     ):
@@ -226,7 +227,7 @@ def attention_varlen(
     k: torch.Tensor,
     v: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
+    cu_seqlens_k: torch.Tensor | None,
     max_seqlen_q: int,
     max_seqlen_k: int,
     *,
@@ -239,6 +240,8 @@ def attention_varlen(
     attention_chunk: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    seqused_k: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention over packed (total_tokens, heads, head_dim) sequences, as `flash_attn_varlen_func`.
 
@@ -248,6 +251,16 @@ def attention_varlen(
     `return_lse`, also returns the log-sum-exp (heads, total_q) in float32. Under torch.compile
     the call is the custom op `torch.ops.tunegen.attention_varlen`. Differentiable, as `attention`.
     `window_size`, `attention_chunk`, `softcap` and `sinks` as `attention`'s, per sequence.
+
+    Chunked prefill over a paged KV cache, as serving engines call FlashAttention-3: with
+    `block_table` (batch, max_pages) and `seqused_k` (batch,), both int32 on q's device and given
+    together, k and v are the caches (num_pages, page_size, kv_heads, head_dim) that
+    `decode_attention` reads (page_size a multiple of 16), cu_seqlens_k is None, and sequence b
+    attends to its first seqused_k[b] keys, key j in page block_table[b, j // page_size] at row
+    j % page_size; max_seqlen_k bounds seqused_k and at most fills a row of pages. The causal mask
+    aligns each sequence's queries with the end of its keys, so a new chunk sees the cached
+    prompt and itself. The counts and the pages a sequence uses are checked as the offsets are.
+    Not differentiable: the keys are a cache, not a leaf anyone trains.
     """
     grad = wants_grad(q, k, v, sinks)
     features = {"window_size": window_size, "attention_chunk": attention_chunk, "softcap": softcap}
@@ -265,6 +278,8 @@ def attention_varlen(
         read_lengths=not (compiling or capturing(q)),
         deterministic=deterministic,
         sinks=sinks,
+        seqused_k=seqused_k,
+        block_table=block_table,
         **features,
     )
     return _serve(call, bool(return_lse), grad, None)

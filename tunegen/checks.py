@@ -105,60 +105,169 @@ def check_attention_varlen(
     max_seqlen_k: object,
     *,
     read_lengths: bool,
+    seqused_k: object = None,
+    block_table: object = None,
 ) -> None:
-    """Check packed (total_tokens, heads, head_dim) inputs and their cumulative lengths.
+    """Check packed (total_tokens, heads, head_dim) inputs and their cumulative lengths; with
+    `block_table` and `seqused_k` (FlashAttention's paged keys, cu_seqlens_k then None), k and v
+    are paged caches (num_pages, page_size, kv_heads, head_dim) instead (see `check_pages`).
 
     With `read_lengths`, the lengths themselves are read to check they start at 0, never
-    decrease, end at the token count and fit the stated maxima (a device-to-host copy on GPU).
+    decrease, end at the token count and fit the stated maxima, and the pages each sequence uses
+    lie in the cache (a device-to-host copy on GPU).
     """
+    paged = block_table is not None or seqused_k is not None
     layout = "(total_tokens, heads, head_dim)"
-    q, k, v = (tensor_arg(n, t, 3, layout) for n, t in (("q", q), ("k", k), ("v", v)))
-    same_as_q(q, {"k": k, "v": v})
-    if v.shape[0] != k.shape[0]:
-        raise ValueError(f"v: expected {k.shape[0]} tokens like k, got {v.shape[0]}")
-    heads(q.shape[1], k.shape[1], v.shape[1])
-    cus = []
-    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype != torch.int32:
-            what = (
-                f"{cu.dtype} tensor of shape {tuple(cu.shape)}"
-                if isinstance(cu, torch.Tensor)
-                else type(cu).__name__
+    q = tensor_arg("q", q, 3, layout)
+    if paged:
+        cu_q = offsets_arg("cu_seqlens_q", cu_seqlens_q, q.device)
+        k, v = check_pages(q, k, v, cu_q.shape[0] - 1, cu_seqlens_k, seqused_k, block_table)
+    else:
+        if cu_seqlens_k is None:
+            raise ValueError(
+                "cu_seqlens_k: expected a 1-D int32 tensor of batch + 1 offsets, or None with block_table "
+                "and seqused_k (paged keys), got None"
             )
-            raise ValueError(f"{name}: expected a 1-D int32 tensor of batch + 1 offsets, got {what}")
-        if cu.shape[0] < 2:
-            raise ValueError(f"{name}: expected at least 2 offsets (batch + 1), got {cu.shape[0]}")
-        if cu.device != q.device:
-            raise ValueError(f"{name}: expected device {q.device} like q, got {cu.device}")
-        if cu.stride(0) != 1:
-            raise ValueError(f"{name}: expected a contiguous tensor; call .contiguous() on it")
-        cus.append(cu)
-    if cus[0].shape[0] != cus[1].shape[0]:
-        raise ValueError(
-            f"cu_seqlens_k: expected {cus[0].shape[0]} offsets like cu_seqlens_q, got {cus[1].shape[0]}"
-        )
+        k, v = (tensor_arg(n, t, 3, layout) for n, t in (("k", k), ("v", v)))
+        same_as_q(q, {"k": k, "v": v})
+        if v.shape[0] != k.shape[0]:
+            raise ValueError(f"v: expected {k.shape[0]} tokens like k, got {v.shape[0]}")
+        heads(q.shape[1], k.shape[1], v.shape[1])
+        cu_q = offsets_arg("cu_seqlens_q", cu_seqlens_q, q.device)
+        cu_k = offsets_arg("cu_seqlens_k", cu_seqlens_k, q.device)
+        if cu_q.shape[0] != cu_k.shape[0]:
+            raise ValueError(
+                f"cu_seqlens_k: expected {cu_q.shape[0]} offsets like cu_seqlens_q, got {cu_k.shape[0]}"
+            )
     for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"{name}: expected a positive int, got {n!r}")
+    if paged and max_seqlen_k > block_table.shape[1] * k.shape[1]:
+        raise ValueError(
+            f"max_seqlen_k: expected at most the {block_table.shape[1] * k.shape[1]} keys a block_table row "
+            f"names ({block_table.shape[1]} pages of {k.shape[1]}), got {max_seqlen_k}"
+        )
     if not read_lengths:
         return
-    for name, cu, total, maximum in (
-        ("cu_seqlens_q", cus[0], q.shape[0], max_seqlen_q),
-        ("cu_seqlens_k", cus[1], k.shape[0], max_seqlen_k),
-    ):
-        offsets = cu.tolist()
-        if offsets[0] != 0:
-            raise ValueError(f"{name}: expected the first offset to be 0, got {offsets[0]}")
-        lengths = [b - a for a, b in itertools.pairwise(offsets)]
-        if min(lengths) < 0:
-            raise ValueError(f"{name}: offsets must not decrease, got {offsets}")
-        if offsets[-1] != total:
-            raise ValueError(
-                f"{name}: expected the last offset to equal the token count {total}, got {offsets[-1]}"
-            )
-        max_name = "max_seqlen_q" if name == "cu_seqlens_q" else "max_seqlen_k"
-        if max(lengths) > maximum:
-            raise ValueError(f"{max_name}: a sequence has {max(lengths)} tokens, more than {maximum}")
+    _check_offsets("cu_seqlens_q", cu_q, q.shape[0], "max_seqlen_q", max_seqlen_q)
+    if paged:
+        _check_used_pages(k.shape[0], k.shape[1], seqused_k, block_table, max_seqlen_k)
+    else:
+        _check_offsets("cu_seqlens_k", cu_k, k.shape[0], "max_seqlen_k", max_seqlen_k)
+
+
+def check_pages(
+    q: torch.Tensor,
+    k: object,
+    v: object,
+    batch: int,
+    cu_seqlens_k: object,
+    seqused_k: object,
+    block_table: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check paged keys for packed queries of `batch` sequences: k, v caches (num_pages, page_size,
+    kv_heads, head_dim) of one shape, q's dtype, device and head_dim, pages a positive multiple of
+    16 rows (as decode's); `block_table` (batch, max_pages) and `seqused_k` (batch,) int32 on q's
+    device, passed together, with cu_seqlens_k None (seqused_k gives each sequence's keys)."""
+    if block_table is None:
+        raise ValueError(
+            "block_table: expected a (batch, max_pages) int32 tensor with seqused_k (paged keys), got None; "
+            "without pages, pass cu_seqlens_k and no seqused_k"
+        )
+    if seqused_k is None:
+        raise ValueError(
+            "seqused_k: expected a (batch,) int32 tensor of each sequence's number of keys with block_table, "
+            "got None"
+        )
+    if cu_seqlens_k is not None:
+        raise ValueError(
+            "cu_seqlens_k: expected None with block_table (seqused_k gives each sequence's keys), got "
+            f"{type(cu_seqlens_k).__name__}"
+        )
+    layout = "(num_pages, page_size, kv_heads, head_dim)"
+    k, v = (tensor_arg(n, t, 4, layout) for n, t in (("k", k), ("v", v)))
+    same_as_q(q, {"k": k, "v": v})
+    if v.shape != k.shape:
+        raise ValueError(f"v: expected shape {tuple(k.shape)} like k, got {tuple(v.shape)}")
+    heads(q.shape[1], k.shape[2], v.shape[2])
+    if k.shape[1] % 16:
+        raise ValueError(
+            f"k: the page size (dimension 1) must be a positive multiple of 16, got {k.shape[1]}"
+        )
+    table = int32_arg("block_table", block_table, 2, f"({batch}, max_pages)", q.device)
+    if table.shape[0] != batch:
+        raise ValueError(f"block_table: expected {batch} rows (one per sequence), got {table.shape[0]}")
+    used = int32_arg("seqused_k", seqused_k, 1, f"({batch},)", q.device)
+    if used.shape[0] != batch:
+        raise ValueError(f"seqused_k: expected {batch} lengths (one per sequence), got {used.shape[0]}")
+    return k, v
+
+
+def int32_arg(name: str, t: object, rank: int, shape: str, device: torch.device) -> torch.Tensor:
+    """`t` if it is a `rank`-D int32 tensor on `device` with a unit last stride."""
+    if not isinstance(t, torch.Tensor) or t.dim() != rank or t.dtype != torch.int32:
+        got = (
+            f"{t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        )
+        raise ValueError(f"{name}: expected a {rank}-D int32 tensor {shape}, got {got}")
+    if t.device != device:
+        raise ValueError(f"{name}: expected device {device} like q, got {t.device}")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name}: expected a unit last stride; call .contiguous() on it")
+    return t
+
+
+def offsets_arg(name: str, cu: object, device: torch.device) -> torch.Tensor:
+    """`cu` if it is a contiguous 1-D int32 tensor of at least 2 offsets on `device`."""
+    if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype != torch.int32:
+        what = (
+            f"{cu.dtype} tensor of shape {tuple(cu.shape)}"
+            if isinstance(cu, torch.Tensor)
+            else type(cu).__name__
+        )
+        raise ValueError(f"{name}: expected a 1-D int32 tensor of batch + 1 offsets, got {what}")
+    if cu.shape[0] < 2:
+        raise ValueError(f"{name}: expected at least 2 offsets (batch + 1), got {cu.shape[0]}")
+    if cu.device != device:
+        raise ValueError(f"{name}: expected device {device} like q, got {cu.device}")
+    if cu.stride(0) != 1:
+        raise ValueError(f"{name}: expected a contiguous tensor; call .contiguous() on it")
+    return cu
+
+
+def _check_offsets(name: str, cu: torch.Tensor, total: int, max_name: str, maximum: int) -> None:
+    """The offsets, read back: from 0, never decreasing, to `total`, no length above `maximum`."""
+    offsets = cu.tolist()
+    if offsets[0] != 0:
+        raise ValueError(f"{name}: expected the first offset to be 0, got {offsets[0]}")
+    lengths = [b - a for a, b in itertools.pairwise(offsets)]
+    if min(lengths) < 0:
+        raise ValueError(f"{name}: offsets must not decrease, got {offsets}")
+    if offsets[-1] != total:
+        raise ValueError(
+            f"{name}: expected the last offset to equal the token count {total}, got {offsets[-1]}"
+        )
+    if max(lengths) > maximum:
+        raise ValueError(f"{max_name}: a sequence has {max(lengths)} tokens, more than {maximum}")
+
+
+def _check_used_pages(
+    num_pages: int, page: int, seqused_k: torch.Tensor, block_table: torch.Tensor, maximum: int
+) -> None:
+    """Each sequence's key count, read back, in [0, `maximum`], and the pages it uses (the first
+    ceil(count / page) of its block_table row; the rest of the row is never read) in the cache."""
+    for b, n in enumerate(seqused_k.tolist()):
+        if not 0 <= n <= maximum:
+            raise ValueError(f"seqused_k: sequence {b} has {n} keys, expected 0 to max_seqlen_k ({maximum})")
+    columns = torch.arange(block_table.shape[1], device=block_table.device)
+    used = columns[None, :] < (seqused_k[:, None] + page - 1) // page
+    bad = used & ((block_table < 0) | (block_table >= num_pages))
+    if bool(bad.any()):
+        b = int(bad.any(dim=1).nonzero()[0])
+        pages = block_table[b][bad[b]].tolist()
+        raise ValueError(
+            f"block_table: sequence {b} names pages {pages}, outside the cache's pages 0..{num_pages - 1}"
+        )
 
 
 def descale_arg(

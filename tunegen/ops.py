@@ -51,7 +51,7 @@ def attention_varlen_op(
     k: torch.Tensor,
     v: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
+    cu_seqlens_k: torch.Tensor | None,
     max_seqlen_q: int,
     max_seqlen_k: int,
     causal: bool,
@@ -63,8 +63,11 @@ def attention_varlen_op(
     attention_chunk: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    seqused_k: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """attention_varlen(); the log-sum-exp is a 0-element tensor unless asked for."""
+    """attention_varlen(), paged keys too (`seqused_k`, `block_table`, cu_seqlens_k None); the
+    log-sum-exp is a 0-element tensor unless asked for."""
     sizes = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     call = PrefillCall.packed(
         q,
@@ -75,6 +78,8 @@ def attention_varlen_op(
         scale=scale,
         return_lse=return_lse,
         read_lengths=not capturing(q),
+        seqused_k=seqused_k,
+        block_table=block_table,
         **_local(window_left, window_right, attention_chunk, softcap, sinks),
     )
     out, lse = eager.run(call)
@@ -83,6 +88,7 @@ def attention_varlen_op(
 
 @attention_varlen_op.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, return_lse, *_):
+    # The output is like the packed q, the log-sum-exp (heads, total_q), paged keys or not.
     lse_shape = (q.shape[1], q.shape[0]) if return_lse else (0,)
     return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
 
@@ -226,6 +232,8 @@ def through_op(call: PrefillCall) -> tuple[torch.Tensor, torch.Tensor]:
         x.max_seqlen_q,
         x.max_seqlen_k,
         *flags,
+        x.seqused_k,
+        x.block_table,
     )
 
 
@@ -256,6 +264,15 @@ def _attention_grads(ctx, dout, dlse):
     return _grads(ctx, *grads, sinks)
 
 
+def _keep_varlen_for_backward(ctx, inputs, output) -> None:
+    """`_keep_for_backward` for attention_varlen's op, whose paged keys (its last two inputs, after
+    the sinks) take no gradient."""
+    *inputs, _, block_table = inputs
+    if block_table is not None:
+        raise ValueError("block_table: paged calls take no gradient (the cache is no leaf to train)")
+    _keep_for_backward(ctx, inputs, output)
+
+
 def _attention_varlen_grads(ctx, dout, dlse):
     q, k, v, out, lse, sinks, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
     max_seqlen_q, max_seqlen_k, causal, scale, _, deterministic, *local = ctx.rest
@@ -265,8 +282,8 @@ def _attention_varlen_grads(ctx, dout, dlse):
         dlse = None
     flags = (causal, scale, deterministic, *local, sinks)
     grads = attention_varlen_backward_op(dout, q, k, v, out, lse, dlse, *sizes, *flags)
-    return _grads(ctx, *grads, sinks)
+    return *_grads(ctx, *grads, sinks), None, None  # none for seqused_k and block_table
 
 
 attention_op.register_autograd(_attention_grads, setup_context=_keep_for_backward)
-attention_varlen_op.register_autograd(_attention_varlen_grads, setup_context=_keep_for_backward)
+attention_varlen_op.register_autograd(_attention_varlen_grads, setup_context=_keep_varlen_for_backward)

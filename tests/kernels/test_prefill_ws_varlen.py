@@ -12,6 +12,7 @@ import itertools
 import pytest
 import torch
 import triton
+from conftest import NEEDS_INTERPRETER
 
 import tunegen
 from helpers import H100, HOPPER, REL_TOL, assert_lse, packed, rel_err, run_variant
@@ -64,7 +65,7 @@ def _table(variant, lengths: list[int], keys: list[int]) -> tuple[list[int], lis
     first = []
     if variant.order == "m_inner":
         module._by_sequence[(triton.cdiv(batch, module.SEQUENCE_CHUNK),)](
-            cu_q, cu_k, work, batch, tile_m, module.SEQUENCE_CHUNK
+            cu_q, cu_k, work, batch, tile_m, module.SEQUENCE_CHUNK, False
         )
         ranked = sorted(range(batch), key=lambda b: (-keys[b], b))
         expected = [b for b in ranked for _ in range(blocks[b])]
@@ -84,6 +85,7 @@ TABLES = {
 }
 
 
+@NEEDS_INTERPRETER
 @pytest.mark.parametrize("name", list(TABLES))
 @pytest.mark.parametrize(
     ("lengths", "keys"),
@@ -104,6 +106,7 @@ def test_the_table_lists_every_tile_in_its_order(name, lengths, keys):
         assert work[2 : 2 + batch].tolist() == first
 
 
+@NEEDS_INTERPRETER
 @pytest.mark.parametrize("name", ["m_inner", "head_inner reversed"])
 def test_the_table_reads_the_lengths_in_chunks(name):
     """More sequences than one program of the table's kernel reads at once."""

@@ -333,7 +333,9 @@ def test_the_cache_functions_run_windows_caps_and_chunks(device, interface, kwar
 
 def test_varlen_refusals_name_the_argument():
     q, k, v, cu_q, cu_k = packed([3, 4], [3, 4], 2, 2, 16, torch.float16, torch.device("cpu"), seed=1)
-    with pytest.raises(ValueError, match="block_table: paged keys are served by flash_attn_with_kvcache"):
+    with pytest.raises(
+        ValueError, match=r"k: expected 4 dimensions \(num_pages, page_size, kv_heads, head_dim\)"
+    ):
         fa2.flash_attn_varlen_func(
             q, k, v, cu_q, cu_k, 4, 4, block_table=torch.zeros(2, 1, dtype=torch.int32)
         )

@@ -14,19 +14,6 @@ from tunegen.kernels.problem import DTYPE_NAMES
 MAX_QUERY_TOKENS = 16
 
 
-def _int32(name: str, t: object, rank: int, what: str, device: torch.device) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor) or t.dim() != rank or t.dtype != torch.int32:
-        got = (
-            f"{t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-        )
-        raise ValueError(f"{name}: expected a {rank}-D int32 tensor {what}, got {got}")
-    if t.device != device:
-        raise ValueError(f"{name}: expected device {device} like q, got {t.device}")
-    if t.stride(-1) != 1:
-        raise ValueError(f"{name}: expected a unit last stride; call .contiguous() on it")
-    return t
-
-
 def check_decode(
     q,
     k_cache,
@@ -72,7 +59,7 @@ def check_decode(
         raise ValueError(
             f"q: decode takes at most {MAX_QUERY_TOKENS} query tokens, got {nq}; use tunegen.attention"
         )
-    seqlens = _int32("cache_seqlens", cache_seqlens, 1, f"of {batch} lengths", q.device)
+    seqlens = checks.int32_arg("cache_seqlens", cache_seqlens, 1, f"of {batch} lengths", q.device)
     if seqlens.shape[0] != batch:
         raise ValueError(
             f"cache_seqlens: expected {batch} lengths (one per sequence), got {seqlens.shape[0]}"
@@ -82,7 +69,7 @@ def check_decode(
             raise ValueError(f"k_cache: expected batch {batch} like q, got {k_cache.shape[0]}")
         capacity = k_cache.shape[1]
     else:
-        table = _int32("block_table", block_table, 2, "(batch, max_pages)", q.device)
+        table = checks.int32_arg("block_table", block_table, 2, "(batch, max_pages)", q.device)
         if table.shape[0] != batch:
             raise ValueError(f"block_table: expected {batch} rows (one per sequence), got {table.shape[0]}")
         page = k_cache.shape[1]

@@ -14,23 +14,34 @@ import dataclasses
 import torch
 
 from tunegen import checks
-from tunegen.backends import backend_for, fallback_dtype
+from tunegen.backends import backend_for, fallback_dtype, wants_grad
 from tunegen.calls.local import NONE, Local, check_local
 from tunegen.kernels import fp8
 from tunegen.kernels.launch_args import PrefillArgs
 from tunegen.kernels.problem import DTYPE_NAMES, Problem
-from tunegen.kernels.reference import attention_reference, attention_varlen_reference
+from tunegen.kernels.reference import attention_reference, attention_varlen_reference, gather_pages
 
 
 @dataclasses.dataclass(frozen=True)
 class Varlen:
     """Packed sequences, in `flash_attn_varlen_func`'s terms: int32 offsets (batch + 1) of each
-    sequence in the packed q and k, v, and bounds on their lengths."""
+    sequence in the packed q and k, v, and bounds on their lengths.
+
+    Paged keys (chunked prefill over a KV cache, FlashAttention-3's arguments): `block_table`
+    (batch, max_pages) int32 names each sequence's pages of the caches k, v (num_pages, page_size,
+    kv_heads, head_dim), key j in page block_table[b, j // page_size] at row j % page_size;
+    `seqused_k` (batch,) int32 counts its keys; cu_seqlens_k is then None."""
 
     cu_seqlens_q: torch.Tensor
-    cu_seqlens_k: torch.Tensor
+    cu_seqlens_k: torch.Tensor | None
     max_seqlen_q: int
     max_seqlen_k: int
+    seqused_k: torch.Tensor | None = None
+    block_table: torch.Tensor | None = None
+
+    @property
+    def paged(self) -> bool:
+        return self.block_table is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +49,8 @@ class PrefillCall:
     """What a prefill call asks for, checked.
 
     q, k, v are what the kernel reads: (batch, heads, seqlen, head_dim), or packed (total_tokens,
-    heads, head_dim) with `varlen`; float8 e4m3 with `descales` (q_descale, k_descale, v_descale)
+    heads, head_dim) with `varlen` (k, v paged caches (num_pages, page_size, kv_heads, head_dim)
+    where it is `paged`); float8 e4m3 with `descales` (q_descale, k_descale, v_descale)
     for FP8. `scale` is resolved; `return_lse` says whether the kernel writes the log-sum-exp (the
     caller asked for it, or autograd keeps it for the backward); `out_dtype` is what the caller
     gets back (FP8 kernels write bfloat16); `deterministic` asks for a backward whose gradients
@@ -109,13 +121,23 @@ class PrefillCall:
         attention_chunk: object = 0,
         softcap: object = 0.0,
         sinks: object = None,
+        seqused_k: object = None,
+        block_table: object = None,
     ) -> PrefillCall:
-        """`tunegen.attention_varlen`'s call, checked; with `read_lengths`, the offsets too (read
-        back to the host: see checks.check_attention_varlen)."""
+        """`tunegen.attention_varlen`'s call, checked; with `read_lengths`, the offsets (or the
+        paged keys' counts and pages) too, read back to the host: see checks.check_attention_varlen.
+        A paged call (`block_table`) takes no gradient: its keys are a cache, which nothing trains,
+        and the backward kernels read packed keys only."""
         sizes = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        checks.check_attention_varlen(q, k, v, *sizes, read_lengths=read_lengths)
+        pages = {"seqused_k": seqused_k, "block_table": block_table}
+        checks.check_attention_varlen(q, k, v, *sizes, read_lengths=read_lengths, **pages)
         resolved = checks.check_scale(scale, q.shape[-1])
         local = check_local(q, window_size, attention_chunk, softcap, sinks)
+        if block_table is not None and wants_grad(q, k, v, local.sinks):
+            raise ValueError(
+                "block_table: paged calls take no gradient (the cache is no leaf to train); detach q, k, v "
+                "and the sinks, or call under torch.no_grad()"
+            )
         bounds = (int(max_seqlen_q), int(max_seqlen_k))
         mask, local = local.normalized(bool(causal), *bounds, True) if local.any else (bool(causal), local)
         flag = bool(deterministic)
@@ -127,7 +149,7 @@ class PrefillCall:
             resolved,
             bool(return_lse),
             strict,
-            Varlen(*sizes),
+            Varlen(*sizes, **pages),
             deterministic=flag,
             local=local,
         )
@@ -165,17 +187,20 @@ class PrefillCall:
         q, k, v = self.q, self.k, self.v
         if self.descales is not None and fp8.is_k_major(v):
             v = v.transpose(2, 3)
+        paged = self.varlen is not None and self.varlen.paged
         return Problem.of(
             family="prefill",
             dtype=DTYPE_NAMES[out.dtype],
             head_dim=q.shape[-1],
             num_heads_q=q.shape[1],
-            num_heads_kv=k.shape[1],
+            num_heads_kv=k.shape[2] if paged else k.shape[1],  # caches: (pages, page_size, heads, d)
             batch=self.batch,
             seqlen_q=self.seqlen_q,
             seqlen_k=self.seqlen_k,
             causal=self.causal,
             varlen=self.varlen is not None,
+            paged=paged,
+            page_size=k.shape[1] if paged else 0,
             fp8=self.descales is not None,
             return_lse=self.return_lse,
             aligned=checks.is_aligned16(q, k, v, out),
@@ -190,6 +215,7 @@ class PrefillCall:
         if self.varlen is not None:
             args.cu_seqlens_q, args.cu_seqlens_k = self.varlen.cu_seqlens_q, self.varlen.cu_seqlens_k
             args.max_seqlen_q = self.varlen.max_seqlen_q
+            args.seqused_k, args.block_table = self.varlen.seqused_k, self.varlen.block_table
         if self.descales is not None:
             args.q_descale, args.k_descale, args.v_descale = self.descales
         return args
@@ -198,8 +224,9 @@ class PrefillCall:
         self, compute_dtype: torch.dtype = torch.float64, inputs: tuple[torch.Tensor, ...] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The call's output and log-sum-exp by PyTorch in `compute_dtype` (float64: the golden
-        reference), FP8 inputs dequantized first; `inputs` may stand in for the call's q, k, v (the
-        same values, as autograd's leaves)."""
+        reference), FP8 inputs dequantized first, paged keys gathered into packed ones first
+        (`gather_pages`); `inputs` may stand in for the call's q, k, v (the same values, as
+        autograd's leaves)."""
         q, k, v = (self.q, self.k, self.v) if inputs is None else inputs
         if self.descales is not None:
             q, k, v = (
@@ -211,6 +238,8 @@ class PrefillCall:
                 q, k, v, causal=self.causal, scale=self.scale, compute_dtype=compute_dtype, **local
             )
         cu_q, cu_k = self.varlen.cu_seqlens_q, self.varlen.cu_seqlens_k
+        if self.varlen.paged:
+            k, v, cu_k = gather_pages(k, v, self.varlen.block_table, self.varlen.seqused_k)
         return attention_varlen_reference(
             q, k, v, cu_q, cu_k, causal=self.causal, scale=self.scale, compute_dtype=compute_dtype, **local
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from tunegen import checks
 from tunegen.api import attention, attention_varlen
 from tunegen.decode import decode_attention
 from tunegen.unserved import flash_lse, require, served_local
@@ -128,8 +129,17 @@ def flash_attn_varlen_func(
 ):
     """Attention over packed (total_tokens, heads, head_dim) sequences whose int32 offsets are
     `cu_seqlens_q`/`cu_seqlens_k` (batch + 1): the output like q, and with `return_attn_probs`
-    the log-sum-exp (heads, total_q) float32 and an empty S_dmask. Differentiable in q, k, v."""
-    require(dropout_p=not dropout_p, block_table=block_table is None)
+    the log-sum-exp (heads, total_q) float32 and an empty S_dmask. Differentiable in q, k, v.
+
+    With `block_table` (batch, max_pages) int32, k and v are paged caches (num_pages, page_size,
+    kv_heads, head_dim) and cu_seqlens_k's differences count each sequence's keys, as in
+    FlashAttention-2: `tunegen.attention_varlen` with those counts as seqused_k (and its page
+    sizes, multiples of 16; not differentiable)."""
+    require(dropout_p=not dropout_p)
+    pages = {}
+    if block_table is not None:
+        pages = {"seqused_k": _key_counts(cu_seqlens_k, q.device), "block_table": block_table}
+        cu_seqlens_k = None
     local = served_local(causal, window_size, softcap, alibi_slopes)
     result = attention_varlen(
         q,
@@ -143,11 +153,19 @@ def flash_attn_varlen_func(
         return_lse=bool(return_attn_probs),
         deterministic=bool(deterministic),
         **local,
+        **pages,
     )
     if not return_attn_probs:
         return result
     out, lse = result
     return _probs(out, flash_lse(lse))
+
+
+def _key_counts(cu_seqlens_k: object, device: torch.device) -> torch.Tensor:
+    """Each sequence's number of keys, (batch,) int32, from FlashAttention-2's offsets of a paged
+    call (checked then as tunegen.attention_varlen's seqused_k)."""
+    cu_seqlens_k = checks.offsets_arg("cu_seqlens_k", cu_seqlens_k, device)
+    return cu_seqlens_k[1:] - cu_seqlens_k[:-1]
 
 
 def flash_attn_varlen_qkvpacked_func(

@@ -20,7 +20,17 @@ class PrefillArgs:
     log-sum-exp in float32, (batch, heads, seqlen_q) or packed (heads, total_q), or None; scale the
     softmax's. FP8 Problems take e4m3 q, k, v with float32 descales (tunegen.kernels.fp8's layout).
     Problems with `softcap` take the cap (> 0), with `sinks` one float32 logit per query head
-    (contiguous, (heads,))."""
+    (contiguous, (heads,)).
+
+    Paged Problems (`Problem.paged`, chunked prefill over a KV cache, FlashAttention's
+    `block_table`/`seqused_k`): q packed as above with cu_seqlens_q and max_seqlen_q; k, v the
+    caches (num_pages, page_size, kv_heads, head_dim), unit last stride, the page size
+    `Problem.page_size` (a multiple of 16); cu_seqlens_k None; `block_table` (batch, max_pages)
+    int32 with a unit last stride, sequence b's key j in page block_table[b, j // page_size] at row
+    j % page_size (only the first ceil(seqused_k[b] / page_size) entries of a row are meaningful);
+    `seqused_k` (batch,) int32, each sequence's number of keys (0 allowed; at most the call's
+    max_seqlen_k, whose bucket is `Problem.seqlen_k`). The causal mask is aligned bottom-right per
+    sequence, on its query count and seqused_k."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -36,6 +46,8 @@ class PrefillArgs:
     v_descale: torch.Tensor | None = None
     softcap: float = 0.0
     sinks: torch.Tensor | None = None
+    seqused_k: torch.Tensor | None = None
+    block_table: torch.Tensor | None = None
 
 
 @dataclasses.dataclass(slots=True)

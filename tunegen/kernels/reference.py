@@ -147,6 +147,28 @@ def attention_varlen_reference(
     return out, lse
 
 
+def gather_pages(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seqused_k: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Paged keys and values (num_pages, page_size, kv_heads, head_dim) as packed ones: sequence b's
+    `seqused_k[b]` keys, key j from page `block_table[b, j // page_size]` row `j % page_size`, one
+    sequence after another (total_k, kv_heads, head_dim), with their int32 offsets cu_seqlens_k
+    (batch + 1). What `attention_varlen_reference` takes for a paged call (the reference and the
+    PyTorch path), and what tests and benchmarks compare a paged call with."""
+    page = k_cache.shape[1]
+    lengths = seqused_k.to(torch.int64)
+    cu_seqlens_k = torch.zeros(lengths.shape[0] + 1, dtype=torch.int64, device=seqused_k.device)
+    cu_seqlens_k[1:] = lengths.cumsum(0)
+    total = int(cu_seqlens_k[-1])
+    seq = torch.repeat_interleave(
+        torch.arange(lengths.shape[0], device=seqused_k.device), lengths, output_size=total
+    )
+    pos = torch.arange(total, device=seqused_k.device) - cu_seqlens_k[seq]
+    pages = block_table[seq, pos // page].long().to(k_cache.device)
+    rows = (pos % page).to(k_cache.device)
+    return k_cache[pages, rows], v_cache[pages, rows], cu_seqlens_k.to(torch.int32)
+
+
 def sampled_error(
     out: torch.Tensor,
     q: torch.Tensor,

@@ -14,6 +14,7 @@ from tunegen.kernels.families.operands import (
     dot_precision,
     load_paths,
 )
+from tunegen.kernels.families.prefill_paged import check_paged
 from tunegen.kernels.families.prefill_ws import (
     PERSISTENT_KNOBS,
     REGISTER_FILE,
@@ -202,7 +203,7 @@ def fa2_default(problem: Problem, gpu: Gpu) -> PrefillVariant:
         wide = PrefillVariant(block_m=128, block_n=64, num_warps=8, num_stages=2)
         if problem.causal and problem.seqlen_q <= 2048:
             return wide
-        load = "desc" if problem.aligned else "ptr"
+        load = "desc" if problem.aligned and not problem.paged else "ptr"
         if problem.causal:
             return wide.replace(load=load, order="head_inner", reverse_m=True)
         return wide.replace(load=load)
@@ -243,6 +244,8 @@ class PrefillFamily:
             "block_d": block_d(problem.head_dim, problem.fp8),
             "causal": problem.causal,
             "varlen": problem.varlen,
+            "paged": problem.paged,
+            "page_size": problem.page_size,
             "return_lse": problem.return_lse,
             "group": problem.group,
             "precision": dot_precision(problem),
@@ -273,6 +276,8 @@ class PrefillFamily:
             _check_fp8(variant, problem, gpu)
         elif not variant.p_fp8 or variant.v_trans:
             raise ValueError("variant.p_fp8, variant.v_trans: FP8 knobs, for fp8 Problems only")
+        if problem.paged:
+            check_paged(variant, problem)
         if variant.load == "desc":
             check_descriptors(problem, gpu)
 
@@ -288,7 +293,7 @@ class PrefillFamily:
             tiles, warps, stages = [16, 32], [4], [1]
         else:
             tiles, warps, stages = [32, 64, 128], [4, 8], [2, 3, 4] + ([5] if problem.fp8 else [])
-        loads = load_paths(problem, gpu)
+        loads = ["ptr"] if problem.paged else load_paths(problem, gpu)
         schedules = ["fa2", "ws"] if runs_ws(problem, gpu) else ["fa2"]
         space = {
             "schedule": schedules,
@@ -317,7 +322,7 @@ class PrefillFamily:
                 mask_branch=[False] if problem.fp8 else [False, True],
                 o_store=["slot", "registers"] + ([] if problem.fp8 else ["q_slot"]),
                 stream_k=[False, True]
-                if not (problem.causal or problem.fp8 or problem.model_features)
+                if not (problem.causal or problem.fp8 or problem.model_features or problem.varlen)
                 else [False],
             )
         return space

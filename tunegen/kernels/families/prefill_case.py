@@ -12,6 +12,7 @@ import torch
 
 from tunegen.kernels import fp8, quantize
 from tunegen.kernels.families.base import Case, Kernel, case_features, generator, normal
+from tunegen.kernels.families.prefill_paged import paged
 from tunegen.kernels.launch_args import PrefillArgs
 from tunegen.kernels.problem import TORCH_DTYPES, Problem
 from tunegen.kernels.reference import attention_reference, sampled_error
@@ -66,6 +67,9 @@ def prefill_case(problem: Problem, kernel: Kernel | None, device: torch.device, 
             softcap=softcap,
             sinks=sinks,
         )
+        if problem.paged:  # a chunk of nq queries over nk cached keys, in shuffled pages
+            args.k, args.v, args.block_table, args.seqused_k = paged(k, v, problem.page_size, gen)
+            args.cu_seqlens_k = None
         launch = lambda: kernel.launch(args)
         out = packed[3].view(b, nq, problem.num_heads_q, d).transpose(1, 2)
     elif kernel is not None:

@@ -1,0 +1,211 @@
+"""Chunked prefill over a paged cache, kernel by kernel: packed queries over K/V in shuffled pages
+behind a block table (spare pages hold NaN, so a wrong page shows), each sequence's keys counted
+by seqused_k, against float64 on the same keys laid out contiguously. FlashAttention-2's loop on
+the interpreter (CPU) and the GPU; the Hopper schedule on an sm_90 GPU. Ragged chunks: empty and
+one-token sequences, chunks shorter than their keys, a sequence with no key, GQA, head dims that
+tiles pad; the rules a paged Problem sets on Variants, and the tuning case."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+import triton
+
+from helpers import H100, HOPPER, REL_TOL, assert_lse, randn, rel_err
+from tunegen.calls.local import Local
+from tunegen.kernels.families import base, prefill
+from tunegen.kernels.families.prefill_paged import paged
+from tunegen.kernels.gpu import gpu_of
+from tunegen.kernels.launch_args import PrefillArgs
+from tunegen.kernels.problem import Problem
+from tunegen.kernels.reference import attention_varlen_reference
+
+INSTALLED = dataclasses.replace(H100, triton_version=triton.__version__)
+PAGED = Problem(
+    "prefill", "bfloat16", 128, True, 32, 8, 4, 2048, 16384, varlen=True, paged=True, page_size=64
+)
+WS = prefill.PrefillVariant(schedule="ws", block_m=64, block_n=64, consumers=2, overlap=True)
+DYNAMIC = {"persistent": True, "dynamic": True, "q_stages": 2}
+# (query lengths, key lengths): a new chunk of each prompt over its cached keys, which include it.
+CHUNKS = [([0, 1, 45, 70, 130], [23, 1, 160, 70, 300]), ([40, 17], [12, 0])]
+
+
+def _paged_inputs(lengths_q, lengths_k, hq, hkv, d, page, dtype, device, seed):
+    """Packed q, the keys and values packed contiguously (for the reference), and the same keys
+    and values in shuffled pages: (q, k, v, cu_q, cu_k, k_cache, v_cache, block_table, seqused_k)."""
+    gen = torch.Generator().manual_seed(seed)
+    cu_q, cu_k = (
+        torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32) for n in (lengths_q, lengths_k)
+    )
+    q = randn(int(cu_q[-1]), hq, d, dtype=dtype, device=device, gen=gen)
+    k, v = (randn(int(cu_k[-1]), hkv, d, dtype=dtype, device=device, gen=gen) for _ in range(2))
+    longest = max(lengths_k)
+    dense = [torch.zeros(len(lengths_k), hkv, longest, d, dtype=dtype, device=device) for _ in range(2)]
+    for b, (lo, hi) in enumerate(itertools.pairwise(cu_k.tolist())):
+        dense[0][b, :, : hi - lo] = k[lo:hi].transpose(0, 1)
+        dense[1][b, :, : hi - lo] = v[lo:hi].transpose(0, 1)
+    k_cache, v_cache, table, _ = paged(*dense, page, torch.Generator().manual_seed(seed + 1))
+    seqused = torch.tensor(lengths_k, dtype=torch.int32, device=device)
+    return q, k, v, cu_q.to(device), cu_k.to(device), k_cache, v_cache, table.to(device), seqused
+
+
+def _check(variant, lengths_q, lengths_k, d, page, causal, dtype, device, hq=4, hkv=2, local=None):
+    q, k, v, cu_q, cu_k, k_cache, v_cache, table, seqused = _paged_inputs(
+        lengths_q, lengths_k, hq, hkv, d, page, dtype, device, seed=sum(lengths_q) + d + page
+    )
+    local = local or Local()
+    features = local.reference_args()
+    ref, ref_lse = attention_varlen_reference(q, k, v, cu_q, cu_k, causal=causal, scale=0.3, **features)
+    problem = dataclasses.replace(
+        PAGED,
+        dtype={torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype],
+        head_dim=d,
+        causal=causal,
+        num_heads_q=hq,
+        num_heads_kv=hkv,
+        page_size=page,
+        return_lse=True,
+        **local.key(),
+    )
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((hq, q.shape[0]), float("nan"), device=device)
+    args = PrefillArgs(q, k_cache, v_cache, out, lse, 0.3, cu_seqlens_q=cu_q, max_seqlen_q=max(lengths_q))
+    args.softcap, args.sinks = local.softcap, local.sinks
+    args.seqused_k, args.block_table = seqused, table
+    base.build(prefill.FAMILY, variant, problem, gpu_of(q.device)).launch(args)
+    assert rel_err(out, ref) < REL_TOL[dtype], (lengths_q, variant)
+    assert_lse(lse, ref_lse, dtype)
+
+
+@pytest.mark.parametrize("page", [16, 32])
+@pytest.mark.parametrize("d", [64, 80])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_fa2_loop_gathers_pages_against_float64(device, page, d, causal):
+    tiles = (16, 16) if device.type == "cpu" else (64, 32)
+    variant = prefill.PrefillVariant(block_m=tiles[0], block_n=tiles[1], num_warps=4, num_stages=1)
+    for lengths_q, lengths_k in CHUNKS:
+        _check(variant, lengths_q, lengths_k, d, page, causal, torch.float16, device)
+
+
+def test_paged_problems_take_packed_queries_pointer_loads_and_blocks_in_one_page():
+    fa2 = prefill.PrefillVariant(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    with pytest.raises(ValueError, match=r"problem.paged: a paged cache serves packed \(varlen\) queries"):
+        prefill.FAMILY.check_variant(fa2, dataclasses.replace(PAGED, varlen=False), H100)
+    with pytest.raises(ValueError, match=r"variant.load: a paged cache's rows are gathered by pointer"):
+        prefill.FAMILY.check_variant(fa2.replace(load="desc"), PAGED, H100)
+    with pytest.raises(
+        ValueError, match=r"variant.block_n: .* pages of 64 rows take blocks that divide them"
+    ):
+        prefill.FAMILY.check_variant(WS.replace(block_n=128), PAGED, H100)
+    assert prefill.FAMILY.search_space(PAGED, H100)["load"] == ["ptr"]
+
+
+@pytest.mark.parametrize(("page", "block_n"), [(64, 64), (256, 128), (32, 32), (16, None), (48, None)])
+def test_the_default_takes_blocks_that_divide_the_pages(page, block_n):
+    problem = dataclasses.replace(PAGED, page_size=page)
+    variant = prefill.FAMILY.default_variant(problem, H100)
+    prefill.FAMILY.check_variant(variant, problem, H100)
+    assert variant.schedule == ("ws" if block_n else "fa2") and variant.load == "ptr"
+    assert block_n is None or variant.block_n == block_n
+
+
+def test_the_paged_cache_of_a_case_holds_each_sequences_keys_in_its_pages():
+    gen = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(3, 2, 100, 8, generator=gen) for _ in range(2))
+    k_cache, v_cache, table, seqused = paged(k, v, 32, torch.Generator().manual_seed(1))
+    assert k_cache.shape == (3 * 4 + 2, 32, 2, 8) and table.shape == (3, 4) and seqused.tolist() == [100] * 3
+    assert sorted(table.flatten().tolist()) != list(range(12)) or table.flatten().tolist() != list(range(12))
+    for b in range(3):
+        rows = k_cache[table[b].long()].flatten(0, 1)[:100].transpose(0, 1)
+        assert torch.equal(rows, k[b]) and not torch.isnan(rows).any()
+    spare = sorted(set(range(14)) - set(table.flatten().tolist()))
+    assert torch.isnan(k_cache[spare]).all() and torch.isnan(v_cache[spare]).all()
+
+
+@pytest.mark.gpu
+@HOPPER
+@pytest.mark.parametrize(
+    "variant",
+    [
+        WS,
+        WS.replace(**DYNAMIC, reverse_m=True),
+        WS.replace(num_stages=3, o_store="q_slot", persistent=True),
+        WS.replace(block_n=32, num_stages=4, overlap=False, pingpong=True, **DYNAMIC, order="head_inner"),
+        WS.replace(o_store="registers", mask_branch=True, **DYNAMIC),
+    ],
+    ids=lambda v: v.to_json(),
+)
+@pytest.mark.parametrize("page", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_hopper_schedule_reads_pages_against_float64(variant, page, causal):
+    for lengths_q, lengths_k in [*CHUNKS, ([300, 1, 517], [900, 1, 1500])]:
+        _check(variant, lengths_q, lengths_k, 128, page, causal, torch.bfloat16, "cuda", hq=8, hkv=2)
+
+
+@pytest.mark.gpu
+@HOPPER
+@pytest.mark.parametrize("d", [64, 96, 256])
+def test_hopper_schedule_defaults_at_other_head_dims(d):
+    for causal in (False, True):
+        problem = dataclasses.replace(PAGED, head_dim=d, causal=causal)
+        variant = prefill.FAMILY.default_variant(problem, INSTALLED)
+        assert variant.schedule == "ws"
+        for lengths_q, lengths_k in CHUNKS:
+            _check(variant, lengths_q, lengths_k, d, 64, causal, torch.bfloat16, "cuda", hq=8, hkv=2)
+
+
+# (causal, window_size, attention_chunk, softcap, sinks): current models' attention over pages.
+FEATURES = {
+    "window causal": (True, (100, -1), 0, 0.0, False),
+    "chunk causal": (True, (-1, -1), 96, 0.0, False),
+    "every feature": (False, (70, 30), 128, 3.0, True),
+}
+
+
+@pytest.mark.parametrize("name", list(FEATURES))
+def test_fa2_loop_over_pages_with_the_attention_of_current_models(device, name):
+    causal, window, chunk, softcap, with_sinks = FEATURES[name]
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(5)).to(device) if with_sinks else None
+    local = Local(window[0], window[1], chunk, softcap, sinks)
+    tiles = (16, 16) if device.type == "cpu" else (64, 32)
+    variant = prefill.PrefillVariant(block_m=tiles[0], block_n=tiles[1], num_warps=4, num_stages=1)
+    for lengths_q, lengths_k in CHUNKS:
+        _check(variant, lengths_q, lengths_k, 64, 32, causal, torch.float16, device, local=local)
+
+
+@pytest.mark.gpu
+@HOPPER
+@pytest.mark.parametrize("name", list(FEATURES))
+def test_hopper_schedule_over_pages_with_the_attention_of_current_models(name):
+    causal, window, chunk, softcap, with_sinks = FEATURES[name]
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(5)).cuda() if with_sinks else None
+    local = Local(window[0], window[1], chunk, softcap, sinks)
+    for variant in (WS.replace(mask_branch=True, **DYNAMIC), WS.replace(o_store="q_slot")):
+        for lengths_q, lengths_k in [*CHUNKS, ([300, 1, 517], [900, 1, 1500])]:
+            _check(
+                variant,
+                lengths_q,
+                lengths_k,
+                128,
+                64,
+                causal,
+                torch.bfloat16,
+                "cuda",
+                hq=8,
+                hkv=2,
+                local=local,
+            )
+
+
+@pytest.mark.gpu
+@HOPPER
+def test_the_tuning_case_runs_paged():
+    problem = dataclasses.replace(PAGED, batch=2, seqlen_q=256, seqlen_k=1024, return_lse=True)
+    variant = prefill.FAMILY.default_variant(problem, INSTALLED)
+    kernel = base.build(prefill.FAMILY, variant, problem, INSTALLED)
+    case = prefill.FAMILY.case(problem, kernel, torch.device("cuda"), seed=3)
+    case.launch()
+    assert case.error() < REL_TOL[torch.bfloat16]
