@@ -52,6 +52,12 @@ def test_default_variants_compile_and_oversized_ones_are_caught():
             )
             jobs.append(_job(gpu, problem))
             limits.append(gpu.smem_per_block)
+        # A chunk over a paged cache (pages of 64: the Hopper schedule's blocks of 64 keys).
+        paged = Problem(
+            "prefill", "bfloat16", 128, True, 16, 4, 4, 2048, 16384, varlen=True, paged=True, page_size=64
+        )
+        jobs.append(_job(gpu, paged))
+        limits.append(gpu.smem_per_block)
     for gpu in TARGETS.values():
         for paged, splits, lse in ((False, 1, True), (True, 4, True), (True, 1, False), (False, 8, False)):
             problem = Problem(

@@ -91,6 +91,12 @@ def _problems() -> list[Problem]:
         )
         if not (fp8 and dtype == "float32")
     ]
+    # Chunks over a paged cache, in pages that 64-key blocks divide and pages they do not.
+    paged = [
+        dataclasses.replace(p, paged=True, page_size=page)
+        for p, page in itertools.product(prefill[::16], (64, 48))
+        if p.varlen and p.dtype == "bfloat16"
+    ]
     backward = [dataclasses.replace(p, family="backward", return_lse=False) for p in prefill]
     # The backward's loops with the features of current models (every one, and all at once).
     features = ({"window_left": 127}, {"attention_chunk": 256}, {"softcap": True}, {"sinks": True})
@@ -101,7 +107,7 @@ def _problems() -> list[Problem]:
         dataclasses.replace(p, causal=p.causal and "window_right" not in changes, **changes)
         for p, changes in itertools.product(backward[::8], features)
     ]
-    return prefill + fp8 + decode + backward
+    return prefill + fp8 + paged + decode + backward
 
 
 def _sampled(family, problem: Problem, gpu: Gpu, rng: random.Random):
