@@ -13,9 +13,11 @@ import itertools
 import pytest
 import torch
 import triton
+from conftest import NEEDS_INTERPRETER
 
 from helpers import H100, HOPPER, REL_TOL, assert_lse, randn, rel_err
 from tunegen.calls.local import Local
+from tunegen.kernels import render
 from tunegen.kernels.families import base, prefill
 from tunegen.kernels.families.prefill_paged import paged
 from tunegen.kernels.gpu import gpu_of
@@ -96,20 +98,37 @@ def test_paged_problems_take_packed_queries_pointer_loads_and_blocks_in_one_page
         prefill.FAMILY.check_variant(fa2, dataclasses.replace(PAGED, varlen=False), H100)
     with pytest.raises(ValueError, match=r"variant.load: a paged cache's rows are gathered by pointer"):
         prefill.FAMILY.check_variant(fa2.replace(load="desc"), PAGED, H100)
-    with pytest.raises(
-        ValueError, match=r"variant.block_n: .* pages of 64 rows take blocks that divide them"
-    ):
-        prefill.FAMILY.check_variant(WS.replace(block_n=128), PAGED, H100)
+    with pytest.raises(ValueError, match=r"variant.block_n: .* 128 keys and pages of 48 rows are neither"):
+        prefill.FAMILY.check_variant(WS.replace(block_n=128), dataclasses.replace(PAGED, page_size=48), H100)
+    for page in (16, 64, 256):  # blocks of whole pages, or in one page
+        prefill.FAMILY.check_variant(
+            WS.replace(block_n=128), dataclasses.replace(PAGED, page_size=page), H100
+        )
     assert prefill.FAMILY.search_space(PAGED, H100)["load"] == ["ptr"]
 
 
-@pytest.mark.parametrize(("page", "block_n"), [(64, 64), (256, 128), (32, 32), (16, None), (48, None)])
-def test_the_default_takes_blocks_that_divide_the_pages(page, block_n):
+@pytest.mark.parametrize(
+    ("page", "block_n"), [(64, 128), (256, 128), (32, 128), (16, 128), (48, None), (96, 32)]
+)
+def test_the_default_takes_blocks_that_lie_in_a_page_or_hold_whole_pages(page, block_n):
     problem = dataclasses.replace(PAGED, page_size=page)
     variant = prefill.FAMILY.default_variant(problem, H100)
     prefill.FAMILY.check_variant(variant, problem, H100)
     assert variant.schedule == ("ws" if block_n else "fa2") and variant.load == "ptr"
     assert block_n is None or variant.block_n == block_n
+
+
+@NEEDS_INTERPRETER
+def test_the_hopper_schedule_reads_pages_a_whole_number_of_rows_apart():
+    """Back to back (vLLM's caches), or K's and V's pages interleaved (FlashInfer's): the rows from
+    one page to the next; heads not back to back within a row are refused by name."""
+    variant = WS.replace(block_n=128)
+    features = prefill.FAMILY.features(dataclasses.replace(PAGED, page_size=16), INSTALLED)
+    module = render.load(render.render(prefill.FAMILY.template, "prefill", variant, features), interpret=True)
+    cache = torch.zeros(10, 2, 16, 8, 128, dtype=torch.bfloat16)
+    assert module._pages(cache[:, 0])[1] == 32 and module._pages(cache[0])[1] == 16
+    with pytest.raises(ValueError, match=r"k, v: the Hopper schedule reads a paged cache whose rows hold"):
+        module._pages(cache[0].transpose(1, 2).contiguous().transpose(1, 2))
 
 
 def test_the_paged_cache_of_a_case_holds_each_sequences_keys_in_its_pages():
@@ -135,10 +154,11 @@ def test_the_paged_cache_of_a_case_holds_each_sequences_keys_in_its_pages():
         WS.replace(num_stages=3, o_store="q_slot", persistent=True),
         WS.replace(block_n=32, num_stages=4, overlap=False, pingpong=True, **DYNAMIC, order="head_inner"),
         WS.replace(o_store="registers", mask_branch=True, **DYNAMIC),
+        WS.replace(block_n=128, **DYNAMIC, reverse_m=True),
     ],
     ids=lambda v: v.to_json(),
 )
-@pytest.mark.parametrize("page", [64, 128])
+@pytest.mark.parametrize("page", [16, 32, 64, 128])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_hopper_schedule_reads_pages_against_float64(variant, page, causal):
     for lengths_q, lengths_k in [*CHUNKS, ([300, 1, 517], [900, 1, 1500])]:

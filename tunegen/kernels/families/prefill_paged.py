@@ -16,18 +16,19 @@ from tunegen.kernels.variant import Variant
 def check_paged(variant: Variant, problem: Problem) -> None:
     """A paged Problem's rules (a ValueError naming what does not fit): packed queries, pages of a
     multiple of 16 rows; FlashAttention-2's loop gathers the pages' rows by pointer (load "ptr"),
-    and the Hopper schedule loads each key block as one TMA box from the page that holds it
-    (their pages a multiple of its key blocks)."""
+    and the Hopper schedule loads each key block by TMA, as one box from the page that holds it
+    or one box a page where its pages are shorter (blocks divide pages, or pages blocks)."""
     if not problem.varlen:
         raise ValueError("problem.paged: a paged cache serves packed (varlen) queries")
     if problem.page_size <= 0 or problem.page_size % 16:
         raise ValueError(f"problem.page_size: expected a positive multiple of 16, got {problem.page_size}")
     if getattr(variant, "load", "ptr") == "desc":
         raise ValueError("variant.load: a paged cache's rows are gathered by pointer ('ptr'), not 'desc'")
-    if variant.schedule == "ws" and problem.page_size % variant.block_n:
+    page, block = problem.page_size, variant.block_n
+    if variant.schedule == "ws" and page % block and block % page:
         raise ValueError(
-            f"variant.block_n: schedule 'ws' loads each key block from one page, so pages of "
-            f"{problem.page_size} rows take blocks that divide them, not {variant.block_n}"
+            f"variant.block_n: schedule 'ws' loads a key block from one page or from whole pages; "
+            f"{block} keys and pages of {page} rows are neither"
         )
 
 

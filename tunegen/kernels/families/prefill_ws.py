@@ -203,18 +203,18 @@ def ws_default(problem: Problem, variant_type: Any, gpu: Gpu) -> Any:
     # release's register budget at head dims 64 and 128.
     two = variant_type(schedule="ws", block_m=64, block_n=128, consumers=2, overlap=True)
     best = _ws_measured(problem, two, gpu)
-    if best is not None and problem.paged and problem.page_size % best.block_n:
-        # Each key block from one page: the widest block (of 32 keys at least) that divides them.
-        fits = [n for n in (128, 64, 32) if n < best.block_n and problem.page_size % n == 0]
+    page = problem.page_size
+    if best is not None and problem.paged and block_d(problem.head_dim) == 128:
+        # A chunk's tiles see the whole cache: two overlapped consumers on the dynamic scheduler, as
+        # long prompts run (1.01x and 1.02x the contiguous call's default at 1 and 4 sequences of a
+        # 2048-token chunk over 16k keys, pages of 64; 0.98x in pages of 16; issue33_chunked_h200.md).
+        best = two.replace(persistent=True, dynamic=True, q_stages=2, reverse_m=problem.causal)
+    if best is not None and problem.paged and page % best.block_n and best.block_n % page:
+        # Key blocks that lie in one page or hold whole pages: the widest (32 keys at least).
+        fits = [n for n in (128, 64, 32) if n < best.block_n and (page % n == 0 or n % page == 0)]
         if not fits:
             return None  # FA2's loop gathers any page's rows
         best = best.replace(block_n=fits[0])
-        if block_d(problem.head_dim) == 128 and fits[0] == 64:
-            # Three consumers in turns over a third stage: 0.89x and 0.93x the contiguous call's
-            # default (128-key blocks) at 1 and 4 sequences of a 2048-token chunk over 16k keys in
-            # pages of 64, on the H200 (issue33_chunked_h200.md).
-            three = {"consumers": 3, "pingpong": True, "overlap": False, "num_stages": 3, "q_stages": 1}
-            best = best.replace(**three, persistent=True, dynamic=True, mask_branch=False)
     if best is not None and problem.varlen:
         # Packed batches: each sequence's tiles together, longest sequences first (`check_ws_variant`).
         best = best.replace(order="m_inner", l2_share=2)
