@@ -3,10 +3,13 @@ comparisons, Winners recorded for dispatch to find."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import pytest
 import torch
 from conftest import HAS_CUDA, INTERPRETING, NEEDS_GPU, NEEDS_INTERPRETER
 
+import tunegen
 from tunegen.backends import backend_for
 from tunegen.calls.backward import BackwardCall
 from tunegen.calls.decode import DecodeCall
@@ -143,6 +146,69 @@ def packed(lengths_q, lengths_k, hq, hkv, d, dtype, device, seed):
     k = randn(int(cu_k[-1]), hkv, d, dtype=dtype, device=device, gen=gen)
     v = randn(int(cu_k[-1]), hkv, d, dtype=dtype, device=device, gen=gen)
     return q, k, v, cu_q, cu_k
+
+
+class Paged(NamedTuple):
+    """A paged call's inputs, and the packed keys and values the pages hold."""
+
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    seqused_k: torch.Tensor
+    block_table: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+
+    def call(self, **kwargs):
+        """tunegen.attention_varlen over the pages."""
+        sizes = (self.cu_seqlens_q, None, self.max_seqlen_q, self.max_seqlen_k)
+        pages = {"seqused_k": self.seqused_k, "block_table": self.block_table}
+        return tunegen.attention_varlen(self.q, self.k_cache, self.v_cache, *sizes, **pages, **kwargs)
+
+    def reference(self, causal: bool):
+        """Float64 attention over the packed keys and values."""
+        cu = (self.cu_seqlens_q, self.cu_seqlens_k)
+        return attention_varlen_reference(
+            self.q, self.k, self.v, *cu, causal=causal, scale=self.q.shape[-1] ** -0.5
+        )
+
+
+def paged(lq, lk, hq, hkv, d, page, dtype, device, seed, spare=3, stale=False) -> Paged:
+    """Packed queries over keys and values written into a cache of shuffled pages, with `spare`
+    pages that no sequence uses; every row outside the sequences' keys holds NaN, and so does every
+    page the block table names past a sequence's last (each row has one entry more than the longest
+    sequence needs). With `stale`, the rows of a sequence's last page past its keys hold finite
+    values instead, as a serving engine's reused pages do: the Hopper schedule reads a key block
+    whole and masks the keys past a sequence's end, which stops stale keys but not NaN values (as in
+    FlashAttention-3)."""
+    q, k, v, cu_q, cu_k = packed(lq, lk, hq, hkv, d, dtype, torch.device("cpu"), seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    need = [-(-n // page) for n in lk]
+    num_pages = sum(need) + spare
+    order = torch.randperm(num_pages, generator=gen)
+    unused = order[sum(need) :]
+    table = torch.empty(len(lk), max(need) + 1, dtype=torch.int32)
+    k_cache, v_cache = (torch.full((num_pages, page, hkv, d), float("nan"), dtype=dtype) for _ in "kv")
+    at = 0
+    for b, (n, m) in enumerate(zip(lk, need, strict=True)):
+        table[b, :m] = order[at : at + m]
+        table[b, m:] = unused[torch.randint(spare, (table.shape[1] - m,), generator=gen)]
+        at += m
+        if stale and m:
+            k_cache[table[b, :m].long()] = torch.randn(m, page, hkv, d, generator=gen).to(dtype)
+            v_cache[table[b, :m].long()] = torch.randn(m, page, hkv, d, generator=gen).to(dtype)
+        idx = torch.arange(n)
+        pages, rows = table[b, idx // page].long(), idx % page
+        k_cache[pages, rows] = k[cu_k[b] : cu_k[b + 1]]
+        v_cache[pages, rows] = v[cu_k[b] : cu_k[b + 1]]
+    seqused = torch.tensor(lk, dtype=torch.int32)
+    tensors = [t.to(device) for t in (q, k_cache, v_cache, cu_q, seqused, table, k, v, cu_k)]
+    q, k_cache, v_cache, cu_q, seqused, table, k, v, cu_k = tensors
+    return Paged(q, k_cache, v_cache, cu_q, max(lq), max(max(lk), 1), seqused, table, k, v, cu_k)
 
 
 def make_cache(batch, hkv, d, lengths, capacity, page, dtype, device, gen):

@@ -190,17 +190,25 @@ def check_pages(
     if v.shape != k.shape:
         raise ValueError(f"v: expected shape {tuple(k.shape)} like k, got {tuple(v.shape)}")
     heads(q.shape[1], k.shape[2], v.shape[2])
-    if k.shape[1] % 16:
-        raise ValueError(
-            f"k: the page size (dimension 1) must be a positive multiple of 16, got {k.shape[1]}"
-        )
-    table = int32_arg("block_table", block_table, 2, f"({batch}, max_pages)", q.device)
-    if table.shape[0] != batch:
-        raise ValueError(f"block_table: expected {batch} rows (one per sequence), got {table.shape[0]}")
+    block_table_arg(block_table, batch, "k", k)
     used = int32_arg("seqused_k", seqused_k, 1, f"({batch},)", q.device)
     if used.shape[0] != batch:
         raise ValueError(f"seqused_k: expected {batch} lengths (one per sequence), got {used.shape[0]}")
     return k, v
+
+
+def block_table_arg(block_table: object, batch: int, cache_name: str, cache: torch.Tensor) -> torch.Tensor:
+    """`block_table` if it is a (batch, max_pages) int32 tensor on the cache's device, for pages
+    (`cache`'s dimension 1) of a positive multiple of 16 rows, as the paged kernels read them."""
+    page = cache.shape[1]
+    if page % 16:
+        raise ValueError(
+            f"{cache_name}: the page size (dimension 1) must be a positive multiple of 16, got {page}"
+        )
+    table = int32_arg("block_table", block_table, 2, f"({batch}, max_pages)", cache.device)
+    if table.shape[0] != batch:
+        raise ValueError(f"block_table: expected {batch} rows (one per sequence), got {table.shape[0]}")
+    return table
 
 
 def int32_arg(name: str, t: object, rank: int, shape: str, device: torch.device) -> torch.Tensor:

@@ -8,18 +8,16 @@ tiles pad; the rules a paged Problem sets on Variants, and the tuning case."""
 from __future__ import annotations
 
 import dataclasses
-import itertools
 
 import pytest
 import torch
 import triton
 from conftest import NEEDS_INTERPRETER
 
-from helpers import H100, HOPPER, REL_TOL, assert_lse, randn, rel_err
+from helpers import H100, HOPPER, REL_TOL, assert_lse, paged, rel_err
 from tunegen.calls.local import Local
 from tunegen.kernels import render
-from tunegen.kernels.families import base, prefill
-from tunegen.kernels.families.prefill_paged import paged
+from tunegen.kernels.families import base, prefill, prefill_paged
 from tunegen.kernels.gpu import gpu_of
 from tunegen.kernels.launch_args import PrefillArgs
 from tunegen.kernels.problem import Problem
@@ -35,32 +33,14 @@ DYNAMIC = {"persistent": True, "dynamic": True, "q_stages": 2}
 CHUNKS = [([0, 1, 45, 70, 130], [23, 1, 160, 70, 300]), ([40, 17], [12, 0])]
 
 
-def _paged_inputs(lengths_q, lengths_k, hq, hkv, d, page, dtype, device, seed):
-    """Packed q, the keys and values packed contiguously (for the reference), and the same keys
-    and values in shuffled pages: (q, k, v, cu_q, cu_k, k_cache, v_cache, block_table, seqused_k)."""
-    gen = torch.Generator().manual_seed(seed)
-    cu_q, cu_k = (
-        torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32) for n in (lengths_q, lengths_k)
-    )
-    q = randn(int(cu_q[-1]), hq, d, dtype=dtype, device=device, gen=gen)
-    k, v = (randn(int(cu_k[-1]), hkv, d, dtype=dtype, device=device, gen=gen) for _ in range(2))
-    longest = max(lengths_k)
-    dense = [torch.zeros(len(lengths_k), hkv, longest, d, dtype=dtype, device=device) for _ in range(2)]
-    for b, (lo, hi) in enumerate(itertools.pairwise(cu_k.tolist())):
-        dense[0][b, :, : hi - lo] = k[lo:hi].transpose(0, 1)
-        dense[1][b, :, : hi - lo] = v[lo:hi].transpose(0, 1)
-    k_cache, v_cache, table, _ = paged(*dense, page, torch.Generator().manual_seed(seed + 1))
-    seqused = torch.tensor(lengths_k, dtype=torch.int32, device=device)
-    return q, k, v, cu_q.to(device), cu_k.to(device), k_cache, v_cache, table.to(device), seqused
-
-
 def _check(variant, lengths_q, lengths_k, d, page, causal, dtype, device, hq=4, hkv=2, local=None):
-    q, k, v, cu_q, cu_k, k_cache, v_cache, table, seqused = _paged_inputs(
-        lengths_q, lengths_k, hq, hkv, d, page, dtype, device, seed=sum(lengths_q) + d + page
-    )
+    seed = sum(lengths_q) + d + page
+    stale = variant.schedule == "ws"  # FA2's loop masks its loads: NaN past a sequence's keys there
+    x = paged(lengths_q, lengths_k, hq, hkv, d, page, dtype, torch.device(device), seed=seed, stale=stale)
     local = local or Local()
     features = local.reference_args()
-    ref, ref_lse = attention_varlen_reference(q, k, v, cu_q, cu_k, causal=causal, scale=0.3, **features)
+    q, cu = x.q, (x.cu_seqlens_q, x.cu_seqlens_k)
+    ref, ref_lse = attention_varlen_reference(q, x.k, x.v, *cu, causal=causal, scale=0.3, **features)
     problem = dataclasses.replace(
         PAGED,
         dtype={torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype],
@@ -74,9 +54,11 @@ def _check(variant, lengths_q, lengths_k, d, page, causal, dtype, device, hq=4, 
     )
     out = torch.full_like(q, float("nan"))
     lse = torch.full((hq, q.shape[0]), float("nan"), device=device)
-    args = PrefillArgs(q, k_cache, v_cache, out, lse, 0.3, cu_seqlens_q=cu_q, max_seqlen_q=max(lengths_q))
+    args = PrefillArgs(
+        q, x.k_cache, x.v_cache, out, lse, 0.3, cu_seqlens_q=x.cu_seqlens_q, max_seqlen_q=x.max_seqlen_q
+    )
     args.softcap, args.sinks = local.softcap, local.sinks
-    args.seqused_k, args.block_table = seqused, table
+    args.seqused_k, args.block_table = x.seqused_k, x.block_table
     base.build(prefill.FAMILY, variant, problem, gpu_of(q.device)).launch(args)
     assert rel_err(out, ref) < REL_TOL[dtype], (lengths_q, variant)
     assert_lse(lse, ref_lse, dtype)
@@ -134,7 +116,7 @@ def test_the_hopper_schedule_reads_pages_a_whole_number_of_rows_apart():
 def test_the_paged_cache_of_a_case_holds_each_sequences_keys_in_its_pages():
     gen = torch.Generator().manual_seed(0)
     k, v = (torch.randn(3, 2, 100, 8, generator=gen) for _ in range(2))
-    k_cache, v_cache, table, seqused = paged(k, v, 32, torch.Generator().manual_seed(1))
+    k_cache, v_cache, table, seqused = prefill_paged.paged(k, v, 32, torch.Generator().manual_seed(1))
     assert k_cache.shape == (3 * 4 + 2, 32, 2, 8) and table.shape == (3, 4) and seqused.tolist() == [100] * 3
     assert sorted(table.flatten().tolist()) != list(range(12)) or table.flatten().tolist() != list(range(12))
     for b in range(3):
@@ -220,12 +202,12 @@ def test_hopper_schedule_over_pages_with_the_attention_of_current_models(name):
             )
 
 
-@pytest.mark.gpu
-@HOPPER
-def test_the_tuning_case_runs_paged():
-    problem = dataclasses.replace(PAGED, batch=2, seqlen_q=256, seqlen_k=1024, return_lse=True)
-    variant = prefill.FAMILY.default_variant(problem, INSTALLED)
-    kernel = base.build(prefill.FAMILY, variant, problem, INSTALLED)
-    case = prefill.FAMILY.case(problem, kernel, torch.device("cuda"), seed=3)
+def test_the_tuning_case_runs_paged(device):
+    """The tuner's case for a paged Problem: chunks over shuffled pages, checked against float64."""
+    sizes = {"batch": 2, "seqlen_q": 48, "seqlen_k": 160, "page_size": 32, "return_lse": True}
+    problem = dataclasses.replace(PAGED, dtype="float16", head_dim=64, num_heads_q=4, num_heads_kv=2, **sizes)
+    gpu = gpu_of(device)
+    variant = prefill.FAMILY.default_variant(problem, gpu)
+    case = prefill.FAMILY.case(problem, base.build(prefill.FAMILY, variant, problem, gpu), device, seed=3)
     case.launch()
-    assert case.error() < REL_TOL[torch.bfloat16]
+    assert case.error() < REL_TOL[torch.float16]

@@ -6,16 +6,13 @@ over the packed keys gives the same output; each bad argument is a ValueError na
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import pytest
 import torch
 
 import tunegen
 import tunegen.flash_attn as fa2
-from helpers import DECODE_PATHS, REL_TOL, assert_lse, on_path, packed, rel_err, run_variant
+from helpers import DECODE_PATHS, REL_TOL, assert_lse, on_path, paged, rel_err, run_variant
 from tunegen.calls.prefill import PrefillCall, Varlen
-from tunegen.kernels import dispatch
 from tunegen.kernels.families import prefill
 from tunegen.kernels.gpu import gpu_of
 from tunegen.kernels.reference import attention_varlen_reference, gather_pages
@@ -27,80 +24,6 @@ CASES = [
     ([0, 1, 45, 70], [23, 1, 160, 70], 4, 2, 64),
     ([7, 30, 3], [0, 33, 50], 4, 4, 80),
 ]
-
-
-class Paged(NamedTuple):
-    """A paged call's inputs, and the packed keys and values the pages hold."""
-
-    q: torch.Tensor
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    cu_seqlens_q: torch.Tensor
-    max_seqlen_q: int
-    max_seqlen_k: int
-    seqused_k: torch.Tensor
-    block_table: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    cu_seqlens_k: torch.Tensor
-
-    def call(self, **kwargs):
-        """tunegen.attention_varlen over the pages."""
-        sizes = (self.cu_seqlens_q, None, self.max_seqlen_q, self.max_seqlen_k)
-        pages = {"seqused_k": self.seqused_k, "block_table": self.block_table}
-        return tunegen.attention_varlen(self.q, self.k_cache, self.v_cache, *sizes, **pages, **kwargs)
-
-    def reference(self, causal: bool):
-        """Float64 attention over the packed keys and values."""
-        cu = (self.cu_seqlens_q, self.cu_seqlens_k)
-        return attention_varlen_reference(
-            self.q, self.k, self.v, *cu, causal=causal, scale=self.q.shape[-1] ** -0.5
-        )
-
-
-def paged(lq, lk, hq, hkv, d, page, dtype, device, seed, spare=3) -> Paged:
-    """Packed queries over keys and values written into a cache of shuffled pages, with `spare`
-    pages that no sequence uses; every row outside the sequences' keys holds NaN, and so does every
-    page the block table names past a sequence's last (each row has one entry more than the longest
-    sequence needs)."""
-    q, k, v, cu_q, cu_k = packed(lq, lk, hq, hkv, d, dtype, torch.device("cpu"), seed)
-    gen = torch.Generator().manual_seed(seed + 1)
-    need = [-(-n // page) for n in lk]
-    num_pages = sum(need) + spare
-    order = torch.randperm(num_pages, generator=gen)
-    unused = order[sum(need) :]
-    table = torch.empty(len(lk), max(need) + 1, dtype=torch.int32)
-    k_cache, v_cache = (torch.full((num_pages, page, hkv, d), float("nan"), dtype=dtype) for _ in "kv")
-    at = 0
-    for b, (n, m) in enumerate(zip(lk, need, strict=True)):
-        table[b, :m] = order[at : at + m]
-        table[b, m:] = unused[torch.randint(spare, (table.shape[1] - m,), generator=gen)]
-        at += m
-        idx = torch.arange(n)
-        pages, rows = table[b, idx // page].long(), idx % page
-        k_cache[pages, rows] = k[cu_k[b] : cu_k[b + 1]]
-        v_cache[pages, rows] = v[cu_k[b] : cu_k[b + 1]]
-    seqused = torch.tensor(lk, dtype=torch.int32)
-    tensors = [t.to(device) for t in (q, k_cache, v_cache, cu_q, seqused, table, k, v, cu_k)]
-    q, k_cache, v_cache, cu_q, seqused, table, k, v, cu_k = tensors
-    return Paged(q, k_cache, v_cache, cu_q, max(lq), max(max(lk), 1), seqused, table, k, v, cu_k)
-
-
-def serve_or_skip(x: Paged, causal: bool) -> None:
-    """Skip where the call runs a kernel (not the PyTorch path) and the prefill family's kernels
-    do not take paged keys yet: its templates render no page feature, or it refuses the Problem."""
-    sizes = (x.cu_seqlens_q, None, x.max_seqlen_q, x.max_seqlen_k)
-    pages = {"seqused_k": x.seqused_k, "block_table": x.block_table}
-    call = PrefillCall.packed(x.q, x.k_cache, x.v_cache, *sizes, causal=causal, return_lse=True, **pages)
-    if call.backend() == "torch":
-        return
-    problem, gpu = call.problem(call.outputs()[0]), gpu_of(x.q.device)
-    if not any("page" in name for name in prefill.FAMILY.features(problem, gpu)):
-        pytest.skip("the prefill kernels render no paged keys yet")
-    try:
-        dispatch.kernel_for(problem, gpu)
-    except ValueError as exc:
-        pytest.skip(f"the prefill family refuses paged Problems: {exc}")
 
 
 @pytest.fixture(params=DECODE_PATHS)
@@ -122,7 +45,6 @@ def test_gather_pages_gives_back_the_packed_keys():
 def test_paged_matches_float64(path, dtype, page, causal, lq, lk, hq, hkv, d):
     device, strict = path
     x = paged(lq, lk, hq, hkv, d, page, dtype, device, seed=sum(lk) + page + d)
-    serve_or_skip(x, causal)
     out, lse = x.call(causal=causal, return_lse=True, strict=strict)
     ref, ref_lse = x.reference(causal)
     assert out.shape == x.q.shape and out.dtype == dtype and lse.shape == (hq, x.q.shape[0])
@@ -137,7 +59,6 @@ def test_paged_equals_the_call_over_packed_keys(path, causal):
     device, strict = path
     lq, lk = [0, 1, 45, 70], [23, 1, 160, 70]
     x = paged(lq, lk, 4, 2, 64, 16, torch.float16, device, seed=3)
-    serve_or_skip(x, causal)
     out = x.call(causal=causal, strict=strict)
     same = tunegen.attention_varlen(
         x.q, x.k, x.v, x.cu_seqlens_q, x.cu_seqlens_k, max(lq), max(lk), causal=causal, strict=strict
@@ -152,7 +73,6 @@ def test_paged_equals_the_call_over_packed_keys(path, causal):
 def test_the_default_variant_launched_directly_into_poisoned_outputs(device, page):
     """The kernel dispatch would serve a paged Problem writes every output row and log-sum-exp."""
     x = paged([0, 1, 45, 70], [23, 1, 160, 70], 4, 2, 64, page, torch.float16, device, seed=4)
-    serve_or_skip(x, True)
     varlen = Varlen(x.cu_seqlens_q, None, x.max_seqlen_q, x.max_seqlen_k, x.seqused_k, x.block_table)
     call = PrefillCall(x.q, x.k_cache, x.v_cache, True, 0.125, True, varlen=varlen)
     problem = call.problem(call.outputs()[0])

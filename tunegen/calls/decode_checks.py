@@ -69,15 +69,8 @@ def check_decode(
             raise ValueError(f"k_cache: expected batch {batch} like q, got {k_cache.shape[0]}")
         capacity = k_cache.shape[1]
     else:
-        table = checks.int32_arg("block_table", block_table, 2, "(batch, max_pages)", q.device)
-        if table.shape[0] != batch:
-            raise ValueError(f"block_table: expected {batch} rows (one per sequence), got {table.shape[0]}")
-        page = k_cache.shape[1]
-        if page % 16:
-            raise ValueError(
-                f"k_cache: the page size (dimension 1) must be a positive multiple of 16, got {page}"
-            )
-        capacity = table.shape[1] * page
+        table = checks.block_table_arg(block_table, batch, "k_cache", k_cache)
+        capacity = table.shape[1] * k_cache.shape[1]
     if (k is None) != (v is None):
         raise ValueError("k, v: pass both new keys and new values, or neither")
     n_new = 0
