@@ -22,7 +22,8 @@ import itertools
 import json
 
 import torch
-from prefill_defaults import WS, _label, _sized, check_in_workers, ws_variant
+from prefill_candidates import WS, ws_variant
+from prefill_defaults import _label, _sized, check_in_workers
 from sweep import time_in_rounds
 
 import tunegen

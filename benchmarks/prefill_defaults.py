@@ -19,148 +19,22 @@ import concurrent.futures as cf
 import datetime
 import faulthandler
 import functools
-import itertools
 import json
 import multiprocessing as mp
 import sys
 
 import torch
+from prefill_candidates import candidates
 from sweep import time_in_rounds
 
 from tunegen.kernels import peers
 from tunegen.kernels.families import base, prefill
-from tunegen.kernels.families.operands import block_d
 from tunegen.kernels.gpu import cuda_gpu
 from tunegen.kernels.launch_args import PrefillArgs
 from tunegen.kernels.reference import TOLERANCE, attention_reference, sampled_error
 from tunegen.measure.suites import Shape, prefill_suite
 
-TILES = {  # schedule "fa2": block_m, block_n, num_warps, num_stages
-    64: [
-        (128, 64, 4, 3),
-        (128, 64, 8, 3),
-        (128, 128, 8, 3),
-        (128, 128, 8, 2),
-        (128, 64, 4, 4),
-        (64, 64, 4, 3),
-        (128, 32, 4, 3),
-        (256, 64, 8, 3),
-    ],
-    128: [
-        (128, 64, 4, 3),
-        (128, 64, 8, 3),
-        (128, 128, 8, 3),
-        (128, 128, 8, 2),
-        (128, 64, 8, 4),
-        (64, 64, 4, 3),
-        (128, 32, 4, 3),
-        (128, 128, 4, 2),
-    ],
-    256: [
-        (128, 64, 8, 2),
-        (128, 64, 8, 3),
-        (128, 32, 8, 2),
-        (64, 64, 4, 2),
-        (128, 32, 4, 2),
-        (64, 32, 4, 3),
-        (128, 128, 8, 2),
-    ],
-}
-WS = {  # schedule "ws": block_m, block_n, num_stages, consumers, pingpong, overlap, ctas_per_sm[, knobs]
-    64: [
-        (64, 128, 2, 3, True, False, 1),
-        (64, 64, 2, 3, True, True, 1),
-        (64, 128, 2, 2, True, True, 1),
-        (64, 128, 3, 2, True, True, 1),
-        (128, 64, 2, 2, True, True, 1),
-        (64, 128, 2, 3, False, False, 1),
-        (128, 64, 2, 1, False, True, 1),
-        (128, 64, 2, 1, False, True, 2),
-        (128, 64, 3, 1, False, True, 2),
-        (64, 128, 2, 1, False, True, 2),
-        (64, 64, 3, 1, False, True, 2),
-    ],
-    128: [
-        (64, 128, 2, 2, True, True, 1),
-        (64, 128, 2, 2, True, False, 1),
-        (64, 128, 2, 2, False, True, 1),
-        (64, 128, 2, 2, False, False, 1),
-        (64, 64, 3, 2, True, True, 1),
-        (64, 64, 2, 3, True, True, 1),
-        (64, 128, 2, 1, False, True, 1),
-        (128, 64, 2, 1, False, False, 1),
-        (64, 64, 2, 1, False, True, 2),
-        (64, 64, 2, 1, False, False, 2),
-    ],
-    # Head dim 256: a ring of two 64-key blocks beside two consumers' query rows leaves no room for
-    # the output's own slot, so it leaves through the query slot or from registers; one consumer
-    # keeps its slot, and has room for a second query slot (persistent programs only).
-    256: [
-        (64, 64, 2, 2, False, True, 1, {"o_store": "registers"}),
-        (64, 64, 2, 2, False, True, 1, {"o_store": "q_slot"}),
-        (64, 64, 2, 2, False, False, 1, {"o_store": "q_slot"}),
-        (64, 64, 2, 2, True, True, 1, {"o_store": "q_slot"}),
-        (64, 64, 2, 2, False, False, 1, {"o_store": "q_slot", "mask_branch": True}),
-        (64, 64, 2, 1, False, True, 1, {}),
-        (64, 64, 2, 1, False, True, 1, {"q_stages": 2}),
-    ],
-}
-# A head dim between powers of two runs in tiles of the next one: a few of that one's rows.
-PADDED_ROWS = {128: slice(0, 4), 256: slice(1, 5)}
 PEERS = ("sdpa-cudnn", "sdpa-flash")
-
-
-def ws_variant(
-    tiles: tuple, order: str, reverse_m: bool, persistent: bool, dynamic: bool = False
-) -> prefill.PrefillVariant:
-    """A "ws" Variant from a WS row (block_m, block_n, num_stages, consumers, pingpong, overlap,
-    ctas_per_sm, and a dict of other knobs where given) and a program order."""
-    bm, bn, s, c, pp, ov, ctas, *knobs = tiles
-    return prefill.PrefillVariant(
-        schedule="ws",
-        block_m=bm,
-        block_n=bn,
-        num_stages=s,
-        consumers=c,
-        pingpong=pp,
-        overlap=ov,
-        ctas_per_sm=ctas,
-        persistent=persistent,
-        dynamic=dynamic,
-        order=order,
-        reverse_m=reverse_m,
-        **(knobs[0] if knobs else {}),
-    )
-
-
-def candidates(head_dim: int, causal: bool, schedules: list[str]) -> list[prefill.PrefillVariant]:
-    """The Variants tried per (head dim, causal): for "ws" each tile shape also persistent and, for
-    causal, heaviest query blocks first within L2-sized groups of heads (at head dim 256 and the
-    head dims padded to 128 or 256, each tile shape launched per tile or persistent on the dynamic
-    scheduler, causal only so)."""
-    orders = [("head_inner", True), ("m_inner", False)] if causal else [("m_inner", False)]
-    out = []
-    if "fa2" in schedules:
-        for (bm, bn, w, s), load, (order, rev) in itertools.product(TILES[head_dim], ("desc", "ptr"), orders):
-            out.append(
-                prefill.PrefillVariant(
-                    block_m=bm, block_n=bn, num_warps=w, num_stages=s, load=load, order=order, reverse_m=rev
-                )
-            )
-    padded = head_dim not in WS and block_d(head_dim) in WS
-    if "ws" in schedules and (head_dim in WS or padded):
-        ws_orders = [("grouped", True), ("m_inner", False)] if causal else [("m_inner", False)]
-        walks = [(False, False), (True, False)]
-        rows = WS[head_dim] if head_dim in WS else WS[block_d(head_dim)][PADDED_ROWS[block_d(head_dim)]]
-        if head_dim == 256 or padded:
-            walks = [(False, False), (True, True)]
-            ws_orders = ws_orders[:1]
-        for tiles, (order, rev), walk in itertools.product(rows, ws_orders, walks):
-            try:
-                out.append(ws_variant(tiles, order, rev, *walk))
-            except ValueError:  # a second query slot serves persistent programs only
-                continue
-    return out
 
 
 def _sized(shape: Shape, seqlen: int) -> Shape:

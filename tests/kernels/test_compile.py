@@ -15,6 +15,7 @@ import triton
 
 from tunegen.kernels.compiler import CompileJob, compile_many
 from tunegen.kernels.families import decode, prefill
+from tunegen.kernels.families.operands import ws_block_d
 from tunegen.kernels.gpu import Gpu
 from tunegen.kernels.problem import Problem
 from tunegen.kernels.render import interpreting, render
@@ -169,8 +170,8 @@ def test_the_features_of_current_models_compile_without_spilling():
 
 def test_ws_variants_compile_for_sm90_with_wgmma_and_without_spilling():
     """The Hopper schedule is Gluon: it compiles offline for sm_90 like the rest, with its products
-    as wgmma (m64 by block_n, and by head_dim), and what the installed release's constraint admits
-    spills at most 64 bytes (releases differ: see tunegen.kernels.releases)."""
+    as wgmma (m64 by block_n, and by the head-dim tile's part), and what the installed release's
+    constraint admits spills at most 64 bytes (releases differ: see tunegen.kernels.releases)."""
     gpu = TARGETS["hopper"]
     ws = prefill.PrefillVariant(schedule="ws", block_n=128, consumers=2, pingpong=True, overlap=True)
     grouped = dataclasses.replace(ws, block_n=64, num_stages=3, order="grouped")
@@ -197,6 +198,22 @@ def test_ws_variants_compile_for_sm90_with_wgmma_and_without_spilling():
         ("bfloat16", 128, True, 4, True, dataclasses.replace(ws, o_store="registers", q_stages=2, **dynamic)),
         ("bfloat16", 256, True, 4, True, dataclasses.replace(ws, block_n=64, o_store="registers", **dynamic)),
         ("float16", 256, False, 16, False, dataclasses.replace(ws, block_n=32, num_stages=3)),
+        (
+            "bfloat16",
+            192,
+            True,
+            4,
+            True,
+            dataclasses.replace(ws, block_n=64, pingpong=False, o_store="q_slot"),
+        ),
+        (
+            "float16",
+            160,
+            False,
+            16,
+            False,
+            dataclasses.replace(ws, block_n=64, num_stages=3, o_store="q_slot"),
+        ),
     ]
     admitted, jobs = [], []
     for case in cases:
@@ -214,7 +231,7 @@ def test_ws_variants_compile_for_sm90_with_wgmma_and_without_spilling():
         assert 0 < report.shared_bytes <= gpu.smem_per_block
         assert report.local_bytes is not None and report.local_bytes <= SPILL_BOUND, report.local_bytes
         operand, k = {"bfloat16": ("bf16", 16), "float16": ("f16", 16), "e4m3": ("e4m3", 32)}[dtype]
-        for n in (variant.block_n, d):
+        for n in (variant.block_n, ws_block_d(d)[1]):
             assert f"wgmma.mma_async.sync.aligned.m64n{n}k{k}.f32.{operand}.{operand}" in report.mma, (
                 report.mma
             )

@@ -149,7 +149,7 @@ def test_hopper_schedule_reads_pages_against_float64(variant, page, causal):
 
 @pytest.mark.gpu
 @HOPPER
-@pytest.mark.parametrize("d", [64, 96, 256])
+@pytest.mark.parametrize("d", [64, 96, 192, 256])
 def test_hopper_schedule_defaults_at_other_head_dims(d):
     for causal in (False, True):
         problem = dataclasses.replace(PAGED, head_dim=d, causal=causal)

@@ -205,6 +205,12 @@ KNOBS = [
     dataclasses.replace(WS, o_store="registers", persistent=True, dynamic=True, q_stages=2, order="grouped"),
     dataclasses.replace(WS, o_store="q_slot"),
     dataclasses.replace(WS, o_store="q_slot", persistent=True, dynamic=True, q_stages=2, order="grouped"),
+    # The query rows from registers: the slot freed once read, or kept for the output.
+    dataclasses.replace(WS, block_n=64, pingpong=False, overlap=False, q_regs=True),
+    dataclasses.replace(
+        WS, block_n=64, q_regs=True, o_store="q_slot", persistent=True, dynamic=True, order="grouped"
+    ),
+    dataclasses.replace(PAIR, q_regs=True, persistent=True, dynamic=True, q_stages=2, order="grouped"),
 ]
 
 

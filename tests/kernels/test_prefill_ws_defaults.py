@@ -158,3 +158,28 @@ def test_head_dim_256_takes_two_consumers_through_the_query_slot():
         assert variant.o_store == "q_slot" and not variant.persistent, shape
         assert variant.overlap == (not shape.causal or shape.seqlen > 2048), shape
         assert (variant.order == "grouped" and variant.reverse_m) == shape.causal, shape
+
+
+def test_head_dim_192_runs_in_parts_with_its_query_rows_in_registers():
+    """Head dims 144 to 192 (issue33_h200_d192.md): three 64-column parts over 64-key blocks, the
+    query rows in registers; without overlap on the dynamic scheduler up to 1024 tokens (causal
+    2048; turns without a mask), then with overlap through the query slot, over a ring of three up
+    to 4096."""
+    for shape in prefill_suite((1024, 2048, 4096, 16384), (192,)):
+        problem = shape.problem("bfloat16")
+        for p in (problem, dataclasses.replace(problem, head_dim=160)):
+            variant = prefill.FAMILY.default_variant(p, H100)
+            assert prefill.FAMILY.features(p, H100)["ws_block_d"] == (192, 64)
+            assert (
+                variant.schedule == "ws"
+                and variant.q_regs
+                and (variant.consumers, variant.block_n) == (2, 64)
+            )
+            assert prefill.FAMILY.constraint(variant, p, H100) is None, shape
+            short = shape.seqlen <= (2048 if shape.causal else 1024)
+            assert variant.overlap == (not short) and variant.dynamic == (
+                short or (not shape.causal and shape.seqlen > 4096)
+            )
+            assert variant.o_store == ("slot" if short else "q_slot"), shape
+            assert variant.num_stages == (2 if short or shape.seqlen > 4096 else 3), shape
+            assert variant.q_stages == 1 and (variant.order == "grouped") == shape.causal, shape

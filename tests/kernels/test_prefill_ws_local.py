@@ -94,7 +94,7 @@ def _reference(q, k, v, causal, **local):
 
 @pytest.mark.gpu
 @HOPPER
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
 @pytest.mark.parametrize("name", list(FEATURES))
 def test_features_against_float64(name, d):
     """Every Variant kind at lengths that are no multiple of any tile, both ways (rows at negative

@@ -54,7 +54,7 @@ def _problems() -> list[Problem]:
         )
         for dtype, d, causal, kv, n, varlen, lse, aligned in itertools.product(
             ("bfloat16", "float32"),
-            (64, 80, 128, 256),
+            (64, 80, 128, 192, 256),
             (False, True),
             (8, 2),
             (512, 8192),

@@ -13,6 +13,21 @@ def block_d(head_dim: int, fp8: bool = False) -> int:
     return max(32 if fp8 else 16, 1 << (head_dim - 1).bit_length())
 
 
+WS_PART = 64  # columns of each part of a Hopper head-dim tile between powers of two
+
+
+def ws_block_d(head_dim: int, fp8: bool = False) -> tuple[int, int]:
+    """The Hopper schedule's head-dim tile and the width of its parts. Gluon's tiles are powers of
+    two, but wgmma's K and N take any multiple of 16: a head dim past 128 that is not past 192 runs
+    in three parts of 64 columns (each its own shared-memory tile, TMA box and output accumulator)
+    rather than in 256, whose padding is a third more work than the head dim needs. Elsewhere one
+    part, the next power of two (`block_d`)."""
+    d = block_d(head_dim, fp8)
+    if 128 < head_dim <= 192 and not fp8:
+        return 192, WS_PART
+    return d, d
+
+
 def dot_precision(problem: Problem) -> str | None:
     """tl.dot's input_precision for the Problem's dtype: "ieee" for float32, which would otherwise
     multiply in TF32 on tensor cores (a 1e-3 relative error where float32 promises 1e-6)."""

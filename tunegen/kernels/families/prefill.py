@@ -13,6 +13,7 @@ from tunegen.kernels.families.operands import (
     check_descriptors,
     dot_precision,
     load_paths,
+    ws_block_d,
 )
 from tunegen.kernels.families.prefill_paged import check_paged
 from tunegen.kernels.families.prefill_ws import (
@@ -72,7 +73,11 @@ class PrefillVariant(Variant):
     fifth shorter); o_store, how each consumer's output leaves: by TMA from a slot of shared memory
     of its own ("slot"), by TMA through its query slot, whose next rows then wait for the store
     ("q_slot", 16-bit inputs), or from registers ("registers"), the last two leaving head dim 256
-    room for its K/V ring; order and reverse_m. num_warps is 4. Knobs that do not apply to a schedule
+    room for its K/V ring; q_regs, each consumer reads its query rows into registers once a tile
+    and its scores' products take them from there (wgmma's left operand from registers), which
+    halves the shared memory those products read at 64-key blocks and frees the query slot for
+    the next tile's rows once read (16-bit inputs, no stream-K tail); order and reverse_m.
+    num_warps is 4. Knobs that do not apply to a schedule
     keep their defaults, so that two different Variants are always two different kernels.
     """
 
@@ -101,6 +106,7 @@ class PrefillVariant(Variant):
     l2_share: int = 2
     stream_k: bool = False
     o_store: str = "slot"
+    q_regs: bool = False
 
     @property
     def consumer_regs(self) -> int:
@@ -173,6 +179,8 @@ def _check_fp8(variant: PrefillVariant, problem: Problem, gpu: Gpu) -> None:
         raise ValueError("variant.mask_branch: fp8 masks its scores after scaling them (a descale may be 0)")
     if variant.o_store == "q_slot":
         raise ValueError("variant.o_store: fp8's query slots hold e4m3 rows, too small for the bf16 output")
+    if variant.q_regs:
+        raise ValueError("variant.q_regs: fp8's scores' products take the query rows from shared memory")
     if gpu.backend == "cuda" and gpu.capability < (8, 9):
         raise ValueError(
             f"problem.fp8: e4m3 tensor-core products need compute capability 8.9 or newer, "
@@ -242,6 +250,7 @@ class PrefillFamily:
         return {
             "head_dim": problem.head_dim,
             "block_d": block_d(problem.head_dim, problem.fp8),
+            "ws_block_d": ws_block_d(problem.head_dim, problem.fp8),
             "causal": problem.causal,
             "varlen": problem.varlen,
             "paged": problem.paged,
@@ -321,6 +330,7 @@ class PrefillFamily:
                 q_stages=[1, 2],
                 mask_branch=[False] if problem.fp8 else [False, True],
                 o_store=["slot", "registers"] + ([] if problem.fp8 else ["q_slot"]),
+                q_regs=[False] if problem.fp8 else [False, True],
                 stream_k=[False, True]
                 if not (problem.causal or problem.fp8 or problem.model_features or problem.varlen)
                 else [False],

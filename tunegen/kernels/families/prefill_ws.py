@@ -7,13 +7,13 @@ from __future__ import annotations
 from typing import Any
 
 from tunegen.kernels import releases
-from tunegen.kernels.families.operands import block_d
+from tunegen.kernels.families.operands import block_d, ws_block_d
 from tunegen.kernels.gpu import Gpu
 from tunegen.kernels.problem import Problem
 from tunegen.kernels.variant import Variant
 
-# Multiples of 16 from 64 to 256, in tiles of the next power of two (`block_d`) whose padding
-# columns TMA fills with zeros.
+# Multiples of 16 from 64 to 256, in tiles of the next power of two or of 192 (`ws_block_d`) whose
+# padding columns TMA fills with zeros.
 WS_HEAD_DIMS = tuple(range(64, 257, 16))
 # The backward's Hopper schedule holds dK and dV tiles beside its own: sized for these.
 WS_BACKWARD_HEAD_DIMS = (64, 128)
@@ -29,6 +29,7 @@ WS_KNOBS = (
     "mask_branch",
     "stream_k",
     "o_store",
+    "q_regs",
     *PERSISTENT_KNOBS,
 )
 REGISTER_FILE = 65536  # 32-bit registers per SM on every GPU tunegen targets
@@ -122,12 +123,19 @@ def check_ws_knobs(variant: Variant) -> None:
 
 def check_ws_variant(variant: Variant, problem: Problem) -> None:
     """What a Problem asks of a Variant of schedule "ws": with features of current models, no
-    stream-K tail (its merge knows neither the window's ranges nor the sinks); packed batches take
+    stream-K tail (its merge knows neither the window's ranges nor the sinks), nor at a head dim
+    whose tile runs in parts (its merge holds one output tile); packed batches take
     their tiles from a table in order "m_inner" or "head_inner" (`_attention_varlen.j2`), which
     have no L2 groups of heads, and no stream-K tail (whose ranges are cut from a count of tiles
     the host knows)."""
     if variant.stream_k and problem.model_features:
         raise ValueError(f"variant.stream_k: the tail's merge renders no {sorted(problem.model_features)}")
+    d, part = ws_block_d(problem.head_dim, problem.fp8)
+    if variant.stream_k and part < d:
+        raise ValueError(
+            f"variant.stream_k: the tail's merge holds one output tile; head dim {problem.head_dim} "
+            "runs in parts"
+        )
     if problem.varlen and (variant.order == "grouped" or variant.stream_k):
         raise ValueError(
             "variant.order, variant.stream_k: schedule 'ws' takes packed batches in order 'm_inner' "
@@ -146,10 +154,14 @@ def runs_ws(problem: Problem, gpu: Gpu) -> bool:
 
 def ws_tile_registers(variant: Variant, head_dim: int) -> int:
     """Registers per consumer thread of schedule "ws" that its tiles hold: the float32 output and
-    score tiles and the 16-bit P tile of one warpgroup (two with overlap); an e4m3 P tile costs as
-    much (the conversion to the operand's layout holds it as 16-bit pairs)."""
+    score tiles, the 16-bit P tile of one warpgroup (two with overlap) and with `q_regs` its
+    16-bit query rows; an e4m3 P tile costs as much (the conversion to the operand's layout holds
+    it as 16-bit pairs)."""
     p_tiles = 2 if variant.overlap else 1
-    return (variant.block_m * head_dim + variant.block_m * variant.block_n * (2 + p_tiles) // 2) // 128
+    q_tile = variant.block_m * head_dim // 2 if variant.q_regs else 0
+    return (
+        variant.block_m * head_dim + variant.block_m * variant.block_n * (2 + p_tiles) // 2 + q_tile
+    ) // 128
 
 
 def ws_constraint(variant: Variant, problem: Problem, gpu: Gpu) -> str | None:
@@ -167,7 +179,7 @@ def ws_constraint(variant: Variant, problem: Problem, gpu: Gpu) -> str | None:
     masked = problem.causal or problem.local
     if masked and variant.ctas_per_sm == 2 and variant.dynamic and variant.order != "grouped":
         return "order: two programs per SM on the dynamic scheduler take 'grouped' under a mask"
-    d = block_d(problem.head_dim)
+    d = ws_block_d(problem.head_dim, problem.fp8)[0]
     size = 1 if problem.fp8 else 2  # bytes per element of Q, K and V; the output is 16-bit
     tiles = (
         variant.consumers
@@ -255,9 +267,10 @@ def _ws_measured(problem: Problem, two: Any, gpu: Gpu) -> Any:
     with its products, apart, but in turns on the H200 past 4096 tokens. Without a mask, prompts
     up to 1024 tokens take two consumers without overlap: turns at head dim 128, apart at 64. Head
     dim 256 (issue33_h100.md; on the H200 within 2% of its best, issue33_h200.md) runs one tile per
-    program, its output through the query slot. A head dim between powers of two takes the rules
-    of its tile's (`block_d`): 96 measured 1.02x to 1.13x cuDNN by 128's, 192 0.79x to 0.89x by
-    256's (FA2's loop 0.55x to 0.72x). A window or chunk counts as a prompt of its span
+    program, its output through the query slot. Head dim 192 runs in three 64-column parts with
+    its query rows in registers (its own sweep, on the H200 only: issue33_h200_d192.md). A head
+    dim between takes the rules of its tile's (`ws_block_d`): 96 measured 1.02x to 1.13x cuDNN by
+    128's. A window or chunk counts as a prompt of its span
     (`attended_length`). Packed batches take these rules at their longest sequence, each
     sequence's tiles together (order "m_inner", set by `ws_default`): on the H200, 0.94x to 1.02x
     the dense call at equal lengths and 1.3x to 1.5x FA2's loop on mixes of lengths
@@ -273,12 +286,29 @@ def _ws_measured(problem: Problem, two: Any, gpu: Gpu) -> Any:
             return two.replace(overlap=False, order="grouped", reverse_m=True)
         return two.replace(num_stages=3, persistent=True)
     dynamic = {"persistent": True, "dynamic": True, "q_stages": 2}
-    d = block_d(problem.head_dim)
+    d = ws_block_d(problem.head_dim)[0]
     short = n <= (2048 if d == 128 else 4096)
     if problem.causal:
         small = short if gpu.model != "h200" else n <= (1024 if d == 128 else 512)
         # The smaller groups: +5% at head dim 128 and 512 tokens (issue31_h100.md, fifth session).
         dynamic.update(order="grouped", reverse_m=True, l2_share=8 if small else 2)
+    if d == 192:
+        # Three 64-column parts over 64-key blocks, the query rows read into registers once a tile
+        # (every best candidate of the H200's sweep: 1.03x to 1.06x the same tiles reading them
+        # from shared memory); short prompts (1024 tokens, causal 2048) without overlap on the
+        # dynamic scheduler, their slot freed once read (in turns without a mask); longer ones
+        # with overlap, the output through the query slot, over a ring of three up to 4096
+        # tokens; without a mask past 4096 on the dynamic scheduler (issue33_h200_d192.md).
+        parts = two.replace(block_n=64, q_regs=True)
+        heaviest = {"order": "grouped", "reverse_m": True} if problem.causal else {}
+        taken = {**dynamic, "q_stages": 1}
+        if n <= (2048 if problem.causal else 1024):
+            return parts.replace(overlap=False, pingpong=not problem.causal, **taken)
+        if n <= 4096:
+            return parts.replace(num_stages=3, o_store="q_slot", **heaviest)
+        if problem.causal:
+            return parts.replace(o_store="q_slot", **heaviest)
+        return parts.replace(o_store="q_slot", **taken)
     if d == 256:
         # What fits beside two consumers' 64 query rows: 64-key blocks in a ring of two, the output
         # through the query slot (up to 1.54x storing it from registers at 1024 tokens, 0.98x to
