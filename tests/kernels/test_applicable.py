@@ -82,7 +82,10 @@ def test_hopper_schedule_knobs_show_on_its_variants_only():
     ws = prefill.PrefillVariant(schedule="ws", block_m=64, block_n=128, consumers=2, overlap=True)
     shown = applicable(prefill.FAMILY, ws, BF16, HOPPER)
     persistent_only = set(prefill.PERSISTENT_KNOBS)
-    assert set(shown) >= WS_KNOBS - {"ctas_per_sm", "stream_k", *persistent_only}
+    assert set(shown) >= WS_KNOBS - {"ctas_per_sm", "stream_k", "pv_pair", *persistent_only}
+    parts = dataclasses.replace(BF16, head_dim=192)
+    assert "pv_pair" not in shown, "a head-dim tile in parts only"
+    assert "pv_pair" in applicable(prefill.FAMILY, ws.replace(block_n=64), parts, HOPPER)
     assert not set(prefill.FA2_KNOBS) & set(shown)
     assert "ctas_per_sm" not in shown, "two programs per SM only with one consumer each"
     assert not persistent_only & set(shown), "the dynamic scheduler and query slots serve persistent programs"

@@ -178,6 +178,7 @@ def test_ws_variants_compile_for_sm90_with_wgmma_and_without_spilling():
     pair = dataclasses.replace(ws, block_n=64, consumers=1, pingpong=False, ctas_per_sm=2)
     dynamic = {"persistent": True, "dynamic": True}
     branch = {"mask_branch": True}
+    parts = {"block_n": 64, "pingpong": False, "q_regs": True}
     cases = [  # dtype, head dim, causal, KV heads, lse, variant
         ("bfloat16", 128, True, 4, True, ws),
         ("float16", 128, False, 16, False, dataclasses.replace(ws, consumers=1, pingpong=False)),
@@ -214,6 +215,14 @@ def test_ws_variants_compile_for_sm90_with_wgmma_and_without_spilling():
             False,
             dataclasses.replace(ws, block_n=64, num_stages=3, o_store="q_slot"),
         ),
+        (
+            "bfloat16",
+            192,
+            False,
+            4,
+            True,
+            dataclasses.replace(ws, **parts, pv_pair=True, o_store="registers"),
+        ),
     ]
     admitted, jobs = [], []
     for case in cases:
@@ -231,7 +240,7 @@ def test_ws_variants_compile_for_sm90_with_wgmma_and_without_spilling():
         assert 0 < report.shared_bytes <= gpu.smem_per_block
         assert report.local_bytes is not None and report.local_bytes <= SPILL_BOUND, report.local_bytes
         operand, k = {"bfloat16": ("bf16", 16), "float16": ("f16", 16), "e4m3": ("e4m3", 32)}[dtype]
-        for n in (variant.block_n, ws_block_d(d)[1]):
+        for n in (variant.block_n, ws_block_d(d)[1] * (2 if variant.pv_pair else 1)):
             assert f"wgmma.mma_async.sync.aligned.m64n{n}k{k}.f32.{operand}.{operand}" in report.mma, (
                 report.mma
             )

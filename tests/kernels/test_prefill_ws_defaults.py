@@ -164,7 +164,7 @@ def test_head_dim_192_runs_in_parts_with_its_query_rows_in_registers():
     """Head dims 144 to 192 (issue33_h200_d192.md): three 64-column parts over 64-key blocks, the
     query rows in registers; without overlap on the dynamic scheduler up to 1024 tokens (causal
     2048; turns without a mask), then with overlap through the query slot, over a ring of three up
-    to 4096."""
+    to 4096; P·V's first two parts paired but for causal prompts past 4096 tokens."""
     for shape in prefill_suite((1024, 2048, 4096, 16384), (192,)):
         problem = shape.problem("bfloat16")
         for p in (problem, dataclasses.replace(problem, head_dim=160)):
@@ -183,3 +183,4 @@ def test_head_dim_192_runs_in_parts_with_its_query_rows_in_registers():
             assert variant.o_store == ("slot" if short else "q_slot"), shape
             assert variant.num_stages == (2 if short or shape.seqlen > 4096 else 3), shape
             assert variant.q_stages == 1 and (variant.order == "grouped") == shape.causal, shape
+            assert variant.pv_pair == (not shape.causal or shape.seqlen <= 4096), shape

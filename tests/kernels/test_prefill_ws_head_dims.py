@@ -73,7 +73,7 @@ def test_head_dim_256_against_float64(variant, nq, nk, causal):
 # Head dim 192's forms, in three parts of 64 columns: two consumers over 64-key blocks, the output
 # through the query slot, its own slot or registers; a ring of three; heaviest first; the dynamic
 # scheduler with two query slots and the mask in a branch; in turns without overlap; the query rows
-# from registers.
+# from registers; P·V's first two parts paired.
 TWO = dataclasses.replace(WS, block_n=64, pingpong=False)
 D192 = [
     TWO.replace(o_store="q_slot"),
@@ -85,6 +85,11 @@ D192 = [
     # The query rows from registers, their slot freed once read or kept for the output.
     TWO.replace(overlap=False, q_regs=True, persistent=True, dynamic=True),
     TWO.replace(q_regs=True, o_store="q_slot", order="grouped", reverse_m=True),
+    # P·V's first two parts as one product: the output through the query slot, its own slot, or
+    # from registers.
+    TWO.replace(q_regs=True, pv_pair=True, o_store="q_slot", num_stages=3),
+    TWO.replace(pv_pair=True, overlap=False, persistent=True, dynamic=True),
+    TWO.replace(q_regs=True, pv_pair=True, o_store="registers", order="grouped", reverse_m=True),
 ]
 
 

@@ -35,6 +35,10 @@ VARIANTS = [
     # Head dim 256's forms (the output through the query slot or from registers).
     dataclasses.replace(WS, block_n=64, o_store="q_slot"),
     dataclasses.replace(WS, block_n=64, o_store="registers", overlap=False, order="grouped", reverse_m=True),
+    # Head dim 192's (the query rows in registers, P·V's first two parts paired; other head dims
+    # refuse the pairing).
+    dataclasses.replace(WS, block_n=64, o_store="q_slot", q_regs=True, pv_pair=True),
+    dataclasses.replace(WS, block_n=64, o_store="registers", q_regs=True, pv_pair=True, order="grouped"),
 ]
 INSTALLED = dataclasses.replace(H100, triton_version=triton.__version__)
 # (causal, window_size, attention_chunk, softcap, sinks): windows and chunks several key blocks wide

@@ -52,6 +52,15 @@ def test_head_dims_past_128_up_to_192_run_in_three_parts(head_dim, tile):
             prefill.FAMILY.check_variant(tail, problem, H100)
     else:
         prefill.FAMILY.check_variant(tail, problem, H100)
+    paired = dataclasses.replace(WS, block_n=64, pingpong=False, pv_pair=True)
+    assert prefill.FAMILY.search_space(problem, H100)["pv_pair"] == (
+        [False, True] if tile[1] < tile[0] else [False]
+    )
+    if tile[1] < tile[0]:
+        prefill.FAMILY.check_variant(paired, problem, H100)
+    else:
+        with pytest.raises(ValueError, match="pv_pair: pairs the parts of a head-dim tile"):
+            prefill.FAMILY.check_variant(paired, problem, H100)
 
 
 def test_query_rows_in_registers_free_their_slot_unless_read_again():
@@ -71,3 +80,16 @@ def test_query_rows_in_registers_free_their_slot_unless_read_again():
         ).source
         assert (early in source) == released, variant
         assert "Q_LAYOUT = gl.constexpr" in source
+
+
+def test_triton_3_9_keeps_the_query_rows_in_shared_memory():
+    """3.9 spills the query rows that `q_regs` holds: the constraint refuses it there, and head dim
+    192's defaults take the same tiles with the rows in shared memory."""
+    newest = dataclasses.replace(H100, triton_version="3.9.0")
+    problem = dataclasses.replace(PROBLEM, head_dim=192)
+    plain = dataclasses.replace(WS, block_n=64, pingpong=False, overlap=False, q_regs=True)
+    assert "spills the query rows" in prefill.FAMILY.constraint(plain, problem, newest)
+    assert prefill.FAMILY.constraint(plain, problem, H100) is None
+    default = prefill.FAMILY.default_variant(problem, H100)
+    assert default.q_regs
+    assert prefill.FAMILY.default_variant(problem, newest) == default.replace(q_regs=False)

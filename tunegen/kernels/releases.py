@@ -60,6 +60,12 @@ class Release:
         return "async_store" if self.version >= (3, 8) else "async_copy_shared_to_global"
 
     @property
+    def smem_reinterpret(self) -> str:
+        """Gluon's view of a shared-memory buffer as another shape or layout: public as
+        `reinterpret` from 3.9 (3.6 to 3.8 name it `_reinterpret`)."""
+        return "reinterpret" if self.version >= (3, 9) else "_reinterpret"
+
+    @property
     def thread_barrier(self) -> str:
         """Gluon's barrier over a partition's threads: `gl.barrier` from 3.7 (3.6 names it
         `gl.thread_barrier`)."""
@@ -90,6 +96,13 @@ class Release:
         registers: 3.9 spills 184 bytes at head dim 128 beside the loop's tiles, where 3.6 and 3.7
         spill 8 to 40 (taken for 3.8 too, unmeasured)."""
         return self.version >= (3, 8)
+
+    @property
+    def ws_query_registers(self) -> bool:
+        """Whether the Hopper forward keeps its query rows in registers (`q_regs`) without
+        spilling: at head dim 192 3.9 spills 48 to 920 bytes a thread where 3.6 to 3.8 spill 0 to
+        32 (offline sm_90 compiles of each release, session 27)."""
+        return self.version < (3, 9)
 
     @property
     def ws_fp8_head_dims(self) -> tuple[int, ...]:

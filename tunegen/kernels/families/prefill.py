@@ -26,6 +26,7 @@ from tunegen.kernels.families.prefill_ws import (
     runs_ws,
     ws_constraint,
     ws_default,
+    ws_in_parts,
 )
 from tunegen.kernels.fp8 import SCALE_BLOCK
 from tunegen.kernels.gpu import Gpu
@@ -76,8 +77,10 @@ class PrefillVariant(Variant):
     room for its K/V ring; q_regs, each consumer reads its query rows into registers once a tile
     and its scores' products take them from there (wgmma's left operand from registers), which
     halves the shared memory those products read at 64-key blocks and frees the query slot for
-    the next tile's rows once read (16-bit inputs, no stream-K tail); order and reverse_m.
-    num_warps is 4. Knobs that do not apply to a schedule
+    the next tile's rows once read (but for the output or a stream-K segment; 16-bit inputs);
+    pv_pair, at a head dim that runs in three parts of 64 columns (144 to 192), P·V's first two
+    parts run as one product of 128 columns (their tiles side by side) and the third alone,
+    rather than three of 64; order and reverse_m. num_warps is 4. Knobs that do not apply to a schedule
     keep their defaults, so that two different Variants are always two different kernels.
     """
 
@@ -107,6 +110,7 @@ class PrefillVariant(Variant):
     stream_k: bool = False
     o_store: str = "slot"
     q_regs: bool = False
+    pv_pair: bool = False
 
     @property
     def consumer_regs(self) -> int:
@@ -331,6 +335,7 @@ class PrefillFamily:
                 mask_branch=[False] if problem.fp8 else [False, True],
                 o_store=["slot", "registers"] + ([] if problem.fp8 else ["q_slot"]),
                 q_regs=[False] if problem.fp8 else [False, True],
+                pv_pair=[False, True] if ws_in_parts(problem) else [False],
                 stream_k=[False, True]
                 if not (problem.causal or problem.fp8 or problem.model_features or problem.varlen)
                 else [False],

@@ -30,6 +30,7 @@ WS_KNOBS = (
     "stream_k",
     "o_store",
     "q_regs",
+    "pv_pair",
     *PERSISTENT_KNOBS,
 )
 REGISTER_FILE = 65536  # 32-bit registers per SM on every GPU tunegen targets
@@ -124,23 +125,33 @@ def check_ws_knobs(variant: Variant) -> None:
 def check_ws_variant(variant: Variant, problem: Problem) -> None:
     """What a Problem asks of a Variant of schedule "ws": with features of current models, no
     stream-K tail (its merge knows neither the window's ranges nor the sinks), nor at a head dim
-    whose tile runs in parts (its merge holds one output tile); packed batches take
+    whose tile runs in parts (its merge holds one output tile), where alone `pv_pair` applies;
+    packed batches take
     their tiles from a table in order "m_inner" or "head_inner" (`_attention_varlen.j2`), which
     have no L2 groups of heads, and no stream-K tail (whose ranges are cut from a count of tiles
     the host knows)."""
     if variant.stream_k and problem.model_features:
         raise ValueError(f"variant.stream_k: the tail's merge renders no {sorted(problem.model_features)}")
-    d, part = ws_block_d(problem.head_dim, problem.fp8)
-    if variant.stream_k and part < d:
+    if variant.stream_k and ws_in_parts(problem):
         raise ValueError(
             f"variant.stream_k: the tail's merge holds one output tile; head dim {problem.head_dim} "
             "runs in parts"
+        )
+    if variant.pv_pair and not ws_in_parts(problem):
+        raise ValueError(
+            f"variant.pv_pair: pairs the parts of a head-dim tile; head dim {problem.head_dim} runs in one"
         )
     if problem.varlen and (variant.order == "grouped" or variant.stream_k):
         raise ValueError(
             "variant.order, variant.stream_k: schedule 'ws' takes packed batches in order 'm_inner' "
             "or 'head_inner', without a stream-K tail"
         )
+
+
+def ws_in_parts(problem: Problem) -> bool:
+    """Whether the Hopper schedule's head-dim tile for `problem` runs in parts (`ws_block_d`)."""
+    d, part = ws_block_d(problem.head_dim, problem.fp8)
+    return part < d
 
 
 def runs_ws(problem: Problem, gpu: Gpu) -> bool:
@@ -171,7 +182,8 @@ def ws_constraint(variant: Variant, problem: Problem, gpu: Gpu) -> str | None:
     (`Release.ws_spare_registers`, calibrated on sm_90 compiles of each checked release by
     benchmarks/ws_registers.py: within the bound, ptxas spills at most 48 bytes per thread), and
     where the release needs it a second output tile for the stream-K merge
-    (`Release.ws_merge_tile`). Under a causal mask (or a window
+    (`Release.ws_merge_tile`); query rows in registers only where the release keeps them there
+    (`Release.ws_query_registers`). Under a causal mask (or a window
     or chunk, whose tiles may see no key too), two programs per SM on the dynamic scheduler take
     order "grouped": with "m_inner" they left whole tiles unwritten now and then, where tiles that
     see no key mixed with the others (H100, Triton 3.6; issue31_h100.md, fifth session), and no
@@ -196,6 +208,8 @@ def ws_constraint(variant: Variant, problem: Problem, gpu: Gpu) -> str | None:
             f"for {variant.ctas_per_sm} per SM"
         )
     release = releases.of(gpu.triton_version)
+    if variant.q_regs and not release.ws_query_registers:
+        return f"registers: Triton {release.name} spills the query rows that q_regs keeps in registers"
     registers = ws_tile_registers(variant, d) + release.ws_spare_registers
     if variant.stream_k and release.ws_merge_tile:
         registers += variant.block_m * d // 128
@@ -210,7 +224,9 @@ def ws_constraint(variant: Variant, problem: Problem, gpu: Gpu) -> str | None:
 def ws_default(problem: Problem, variant_type: Any, gpu: Gpu) -> Any:
     """The Hopper schedule's measured best (`_ws_measured`) where the running release's register
     budget admits it; where that release needs more registers than Triton 3.6, on which it was
-    measured, two overlapped consumers taking turns instead (the measured best elsewhere)."""
+    measured, two overlapped consumers taking turns instead (the measured best elsewhere), or
+    where those do not fit either (head dims past 128), the best with its query rows in shared
+    memory, or without overlap; else None (FlashAttention-2's loop)."""
     # Two overlapped consumers of 64 rows: part of most measured bests, and within every checked
     # release's register budget at head dims 64 and 128.
     two = variant_type(schedule="ws", block_m=64, block_n=128, consumers=2, overlap=True)
@@ -236,7 +252,11 @@ def ws_default(problem: Problem, variant_type: Any, gpu: Gpu) -> Any:
         best = best.replace(mask_branch=True)
     if best is None or ws_constraint(best, problem, gpu) is None:
         return best
-    return two.replace(pingpong=True, persistent=best.persistent, mask_branch=problem.local)
+    turns = two.replace(pingpong=True, persistent=best.persistent, mask_branch=problem.local)
+    for fallback in (turns, best.replace(q_regs=False), best.replace(overlap=False)):
+        if ws_constraint(fallback, problem, gpu) is None:
+            return fallback
+    return None
 
 
 def attended_length(problem: Problem) -> int:
@@ -298,8 +318,11 @@ def _ws_measured(problem: Problem, two: Any, gpu: Gpu) -> Any:
         # from shared memory); short prompts (1024 tokens, causal 2048) without overlap on the
         # dynamic scheduler, their slot freed once read (in turns without a mask); longer ones
         # with overlap, the output through the query slot, over a ring of three up to 4096
-        # tokens; without a mask past 4096 on the dynamic scheduler (issue33_h200_d192.md).
-        parts = two.replace(block_n=64, q_regs=True)
+        # tokens; without a mask past 4096 on the dynamic scheduler. P·V's first two parts as one
+        # product but for causal prompts past 4096 tokens (+0.7% to +3.8% elsewhere, -1.3% and
+        # -1.7% there; issue33_h200_d192.md).
+        pair = not (problem.causal and n > 4096)
+        parts = two.replace(block_n=64, q_regs=True, pv_pair=pair)
         heaviest = {"order": "grouped", "reverse_m": True} if problem.causal else {}
         taken = {**dynamic, "q_stages": 1}
         if n <= (2048 if problem.causal else 1024):
