@@ -114,7 +114,7 @@ def check_attention_varlen(
 
     With `read_lengths`, the lengths themselves are read to check they start at 0, never
     decrease, end at the token count and fit the stated maxima, and the pages each sequence uses
-    lie in the cache (a device-to-host copy on GPU).
+    lie in the cache: one device-to-host copy on GPU (`_read_back`), where each is a sync.
     """
     paged = block_table is not None or seqused_k is not None
     layout = "(total_tokens, heads, head_dim)"
@@ -149,11 +149,23 @@ def check_attention_varlen(
         )
     if not read_lengths:
         return
-    _check_offsets("cu_seqlens_q", cu_q, q.shape[0], "max_seqlen_q", max_seqlen_q)
     if paged:
-        _check_used_pages(k.shape[0], k.shape[1], seqused_k, block_table, max_seqlen_k)
+        outside = _outside_pages(k.shape[0], k.shape[1], seqused_k, block_table)
+        offsets_q, used, bad = _read_back(cu_q, seqused_k, outside.reshape(-1))
     else:
-        _check_offsets("cu_seqlens_k", cu_k, k.shape[0], "max_seqlen_k", max_seqlen_k)
+        offsets_q, offsets_k = _read_back(cu_q, cu_k)
+    _check_offsets("cu_seqlens_q", offsets_q, q.shape[0], "max_seqlen_q", max_seqlen_q)
+    if paged:
+        _check_used_pages(k.shape[0], used, bad, block_table, max_seqlen_k)
+    else:
+        _check_offsets("cu_seqlens_k", offsets_k, k.shape[0], "max_seqlen_k", max_seqlen_k)
+
+
+def _read_back(*tensors: torch.Tensor) -> list[list[int]]:
+    """1-D integer tensors of one device as lists on the host, in one copy (one sync on a GPU)."""
+    flat = torch.cat([t.to(torch.int64) for t in tensors]).tolist()
+    cuts = list(itertools.accumulate(t.shape[0] for t in tensors))
+    return [flat[a:b] for a, b in itertools.pairwise([0, *cuts])]
 
 
 def check_pages(
@@ -243,9 +255,8 @@ def offsets_arg(name: str, cu: object, device: torch.device) -> torch.Tensor:
     return cu
 
 
-def _check_offsets(name: str, cu: torch.Tensor, total: int, max_name: str, maximum: int) -> None:
+def _check_offsets(name: str, offsets: list[int], total: int, max_name: str, maximum: int) -> None:
     """The offsets, read back: from 0, never decreasing, to `total`, no length above `maximum`."""
-    offsets = cu.tolist()
     if offsets[0] != 0:
         raise ValueError(f"{name}: expected the first offset to be 0, got {offsets[0]}")
     lengths = [b - a for a, b in itertools.pairwise(offsets)]
@@ -259,20 +270,28 @@ def _check_offsets(name: str, cu: torch.Tensor, total: int, max_name: str, maxim
         raise ValueError(f"{max_name}: a sequence has {max(lengths)} tokens, more than {maximum}")
 
 
-def _check_used_pages(
-    num_pages: int, page: int, seqused_k: torch.Tensor, block_table: torch.Tensor, maximum: int
-) -> None:
-    """Each sequence's key count, read back, in [0, `maximum`], and the pages it uses (the first
-    ceil(count / page) of its block_table row; the rest of the row is never read) in the cache."""
-    for b, n in enumerate(seqused_k.tolist()):
-        if not 0 <= n <= maximum:
-            raise ValueError(f"seqused_k: sequence {b} has {n} keys, expected 0 to max_seqlen_k ({maximum})")
+def _outside_pages(
+    num_pages: int, page: int, seqused_k: torch.Tensor, block_table: torch.Tensor
+) -> torch.Tensor:
+    """Per entry of `block_table`, on its device, whether its sequence uses it (the first
+    ceil(count / page) of its row; the rest is never read) and it lies outside the cache."""
     columns = torch.arange(block_table.shape[1], device=block_table.device)
     used = columns[None, :] < (seqused_k[:, None] + page - 1) // page
-    bad = used & ((block_table < 0) | (block_table >= num_pages))
-    if bool(bad.any()):
-        b = int(bad.any(dim=1).nonzero()[0])
-        pages = block_table[b][bad[b]].tolist()
+    return used & ((block_table < 0) | (block_table >= num_pages))
+
+
+def _check_used_pages(
+    num_pages: int, used: list[int], outside: list[int], block_table: torch.Tensor, maximum: int
+) -> None:
+    """Each sequence's key count, read back, in [0, `maximum`], and none of the pages it uses
+    outside the cache (`outside`: `_outside_pages`, flattened and read back)."""
+    for b, n in enumerate(used):
+        if not 0 <= n <= maximum:
+            raise ValueError(f"seqused_k: sequence {b} has {n} keys, expected 0 to max_seqlen_k ({maximum})")
+    if any(outside):
+        b = outside.index(1) // block_table.shape[1]
+        row = outside[b * block_table.shape[1] : (b + 1) * block_table.shape[1]]
+        pages = [p for p, bad in zip(block_table[b].tolist(), row, strict=True) if bad]
         raise ValueError(
             f"block_table: sequence {b} names pages {pages}, outside the cache's pages 0..{num_pages - 1}"
         )

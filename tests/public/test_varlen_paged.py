@@ -250,3 +250,22 @@ def test_counts_and_pages_are_read_only_when_asked():
     assert PrefillCall.packed(x.q, x.k_cache, x.v_cache, *sizes, **bad, read_lengths=False).varlen.paged
     with pytest.raises(ValueError, match=r"seqused_k: sequence 0 has -5 keys"):
         PrefillCall.packed(x.q, x.k_cache, x.v_cache, *sizes, **bad, read_lengths=True)
+
+
+@pytest.mark.parametrize("pages", [False, True], ids=["packed", "paged"])
+def test_the_lengths_are_read_back_in_one_copy(pages, monkeypatch):
+    """Offsets, counts and the pages' check come to the host in one copy: each read is a sync on
+    a GPU, and the public call makes it every time."""
+    x = paged([3, 5], [8, 20], 4, 2, 16, 16, torch.float16, torch.device("cpu"), seed=11)
+    if pages:
+        keys = (x.k_cache, x.v_cache, x.cu_seqlens_q, None)
+        extra = {"seqused_k": x.seqused_k, "block_table": x.block_table}
+    else:
+        keys = (x.k, x.v, x.cu_seqlens_q, x.cu_seqlens_k)
+        extra = {}
+    reads = []
+    tolist, as_bool = torch.Tensor.tolist, torch.Tensor.__bool__
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append("tolist") or tolist(t))
+    monkeypatch.setattr(torch.Tensor, "__bool__", lambda t: reads.append("bool") or as_bool(t))
+    PrefillCall.packed(x.q, *keys, 5, 20, **extra, read_lengths=True)
+    assert reads == ["tolist"]
