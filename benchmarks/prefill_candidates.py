@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 
 from tunegen.kernels.families import prefill
-from tunegen.kernels.families.operands import ws_block_d
+from tunegen.kernels.families.operands import block_d, ws_block_d
 
 TILES = {  # schedule "fa2": block_m, block_n, num_warps, num_stages
     64: [
@@ -86,6 +86,13 @@ WS = {  # schedule "ws": block_m, block_n, num_stages, consumers, pingpong, over
     # Head dim 192, in three parts of 64 columns: a quarter less shared memory than 256's tiles
     # leaves room for the output's own slot, a ring of three, or a second query slot.
     192: [
+        # The defaults' forms first (the rows a head dim padded to 192 tries): the query rows from
+        # registers, P·V's first two parts as one product.
+        (64, 64, 3, 2, False, True, 1, {"q_regs": True, "pv_pair": True, "o_store": "q_slot"}),
+        (64, 64, 2, 2, False, True, 1, {"q_regs": True, "pv_pair": True, "o_store": "q_slot"}),
+        (64, 64, 2, 2, False, False, 1, {"q_regs": True, "pv_pair": True}),
+        (64, 64, 2, 2, True, False, 1, {"q_regs": True, "pv_pair": True}),
+        (64, 64, 2, 2, False, True, 1, {"q_regs": True, "pv_pair": True}),
         (64, 64, 2, 2, False, True, 1, {"o_store": "q_slot"}),
         (64, 64, 2, 2, False, True, 1, {}),
         (64, 64, 3, 2, False, True, 1, {"o_store": "q_slot"}),
@@ -138,7 +145,8 @@ def candidates(head_dim: int, causal: bool, schedules: list[str]) -> list[prefil
     orders = [("head_inner", True), ("m_inner", False)] if causal else [("m_inner", False)]
     out = []
     if "fa2" in schedules:
-        for (bm, bn, w, s), load, (order, rev) in itertools.product(TILES[head_dim], ("desc", "ptr"), orders):
+        tiles = TILES.get(head_dim) or TILES[block_d(head_dim)]
+        for (bm, bn, w, s), load, (order, rev) in itertools.product(tiles, ("desc", "ptr"), orders):
             out.append(
                 prefill.PrefillVariant(
                     block_m=bm, block_n=bn, num_warps=w, num_stages=s, load=load, order=order, reverse_m=rev

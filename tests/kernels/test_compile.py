@@ -244,6 +244,8 @@ def test_ws_variants_compile_for_sm90_with_wgmma_and_without_spilling():
             assert f"wgmma.mma_async.sync.aligned.m64n{n}k{k}.f32.{operand}.{operand}" in report.mma, (
                 report.mma
             )
+        if ws_block_d(d)[1] < ws_block_d(d)[0]:  # in parts: no product spans the whole tile
+            assert not [m for m in report.mma if "m64n192" in m or "m64n256" in m], report.mma
 
 
 def _warm_twice(cache: str) -> tuple[list[tuple[int, int]], bool]:

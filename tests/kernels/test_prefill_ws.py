@@ -324,6 +324,15 @@ PERSISTENT = [
     ),
     dataclasses.replace(PAIR, block_m=128, num_stages=3, **SHORT),
     dataclasses.replace(WS, pingpong=False, overlap=False, mask_branch=True, **SHORT),
+    # The query rows in registers: their slot freed once read (one and two slots, the dynamic
+    # scheduler's tile slot refilled behind it) or kept for the output; head dim 192's defaults.
+    dataclasses.replace(
+        WS, block_n=64, pingpong=False, overlap=False, q_regs=True, **{**SHORT, "q_stages": 1}
+    ),
+    dataclasses.replace(WS, block_n=64, pingpong=False, overlap=False, q_regs=True, **SHORT),
+    dataclasses.replace(WS, block_n=64, pingpong=False, q_regs=True, o_store="registers", persistent=True),
+    dataclasses.replace(WS, block_n=64, pingpong=False, q_regs=True, o_store="q_slot", **SHORT),
+    dataclasses.replace(WS, block_n=64, pingpong=False, q_regs=True, pv_pair=True, o_store="q_slot", **SHORT),
     pytest.param(
         dataclasses.replace(PAIR, block_m=128, num_stages=3, persistent=True, dynamic=True, q_stages=2),
         marks=pytest.mark.xfail(
@@ -340,7 +349,7 @@ PERSISTENT = [
 @HOPPER
 @pytest.mark.parametrize("variant", PERSISTENT, ids=lambda v: v.to_json())
 @pytest.mark.parametrize(("nq", "nk"), [(1100, 300), (1031, 1031)], ids=str)
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 192])
 def test_persistent_programs_walk_many_tiles(variant, nq, nk, d):
     """8 sequences x 16 query heads (4 KV heads) of up to 18 tiles each: every program walks
     several, so the query slots, the barriers' phases and the slots freed across a tile boundary

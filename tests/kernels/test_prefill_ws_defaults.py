@@ -184,3 +184,4 @@ def test_head_dim_192_runs_in_parts_with_its_query_rows_in_registers():
             assert variant.num_stages == (2 if short or shape.seqlen > 4096 else 3), shape
             assert variant.q_stages == 1 and (variant.order == "grouped") == shape.causal, shape
             assert variant.pv_pair == (not shape.causal or shape.seqlen <= 4096), shape
+            assert variant.l2_share == 2, "groups of heads as the sweep measured them"

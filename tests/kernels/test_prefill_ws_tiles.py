@@ -6,6 +6,7 @@ test_prefill_ws_defaults.py."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 from test_prefill_ws import PROBLEM, WS
@@ -64,13 +65,15 @@ def test_head_dims_past_128_up_to_192_run_in_three_parts(head_dim, tile):
 
 
 def test_query_rows_in_registers_free_their_slot_unless_read_again():
-    """The query slot is released once its rows are in registers, but not where the output leaves
-    through it or a stream-K segment reads its tile slot after the loop."""
+    """Each consumer frees its query slot once a tile, by one arrive: right after reading its
+    rows into registers, but after the tile's last product where the output leaves through the
+    slot or a stream-K segment reads its tile slot after the loop."""
     problem = dataclasses.replace(PROBLEM, causal=False)
     base = dataclasses.replace(WS, block_n=64, pingpong=False, q_regs=True, persistent=True, dynamic=True)
-    early = "# The query rows are in registers: the producer may load the next tile's into the slot."
-    for variant, released in [
+    for variant, early in [
         (base, True),
+        (base.replace(persistent=False, dynamic=False), True),
+        (base.replace(q_stages=2, o_store="registers"), True),
         (base.replace(o_store="q_slot"), False),
         (base.replace(stream_k=True), False),
     ]:
@@ -78,8 +81,12 @@ def test_query_rows_in_registers_free_their_slot_unless_read_again():
         source = render(
             prefill.FAMILY.template, "prefill", variant, prefill.FAMILY.features(problem, H100)
         ).source
-        assert (early in source) == released, variant
-        assert "Q_LAYOUT = gl.constexpr" in source
+        consume = source[source.index("def _consume(") : source.index("def _consume0(")]
+        arrives = [m.start() for m in re.finditer(r"mbarrier\.arrive\(q_empty", consume)]
+        assert len(arrives) == 1, variant
+        loaded = consume.index("q_op = q_tile.load(Q_LAYOUT)")
+        last = consume.index("# The last block's PV.")
+        assert (loaded < arrives[0] < last) == early and (arrives[0] > last) == (not early), variant
 
 
 def test_triton_3_9_keeps_the_query_rows_in_shared_memory():

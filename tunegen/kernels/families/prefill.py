@@ -323,6 +323,9 @@ class PrefillFamily:
             "v_trans": [False, True] if problem.fp8 else [False],
         }
         if "ws" in schedules:
+            # The stream-K tail: dense 16-bit prompts without a mask or features, in one part.
+            tail = not (problem.causal or problem.fp8 or problem.model_features or problem.varlen)
+            tail = tail and not ws_in_parts(problem)
             space.update(
                 consumers=[1, 2, 3],
                 pingpong=[False, True],
@@ -336,9 +339,7 @@ class PrefillFamily:
                 o_store=["slot", "registers"] + ([] if problem.fp8 else ["q_slot"]),
                 q_regs=[False] if problem.fp8 else [False, True],
                 pv_pair=[False, True] if ws_in_parts(problem) else [False],
-                stream_k=[False, True]
-                if not (problem.causal or problem.fp8 or problem.model_features or problem.varlen)
-                else [False],
+                stream_k=[False, True] if tail else [False],
             )
         return space
 

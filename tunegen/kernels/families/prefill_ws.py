@@ -53,7 +53,7 @@ def check_ws(
     """Where schedule "ws" runs: Hopper's wgmma and TMA (sm_90; not the interpreter, which cannot
     run Gluon), Gluon as of Triton 3.6, 16-bit inputs or FP8 (at the head dims where the release
     compiles it without spilling, `Release.ws_fp8_head_dims`) whose rows TMA can address, head dims
-    its register budget was sized for (`head_dims`, in tiles of the next power of two), dense
+    its register budget was sized for (`head_dims`, in tiles of `ws_block_d`), dense
     batches and, where the family's kernel packs them (`varlen`), packed ones (with current models'
     features too, as `check_ws_variant` says; FP8 renders none of them:
     `Family.fp8_model_features`). The errors name the family's other schedule, `fallback`, which
@@ -126,10 +126,9 @@ def check_ws_variant(variant: Variant, problem: Problem) -> None:
     """What a Problem asks of a Variant of schedule "ws": with features of current models, no
     stream-K tail (its merge knows neither the window's ranges nor the sinks), nor at a head dim
     whose tile runs in parts (its merge holds one output tile), where alone `pv_pair` applies;
-    packed batches take
-    their tiles from a table in order "m_inner" or "head_inner" (`_attention_varlen.j2`), which
-    have no L2 groups of heads, and no stream-K tail (whose ranges are cut from a count of tiles
-    the host knows)."""
+    packed batches take their tiles from a table in order "m_inner" or "head_inner"
+    (`_attention_varlen.j2`), which have no L2 groups of heads, and no stream-K tail (whose ranges
+    are cut from a count of tiles the host knows)."""
     if variant.stream_k and problem.model_features:
         raise ValueError(f"variant.stream_k: the tail's merge renders no {sorted(problem.model_features)}")
     if variant.stream_k and ws_in_parts(problem):
@@ -209,7 +208,7 @@ def ws_constraint(variant: Variant, problem: Problem, gpu: Gpu) -> str | None:
         )
     release = releases.of(gpu.triton_version)
     if variant.q_regs and not release.ws_query_registers:
-        return f"registers: Triton {release.name} spills the query rows that q_regs keeps in registers"
+        return f"q_regs: Triton {release.name} spills the query rows it keeps in registers"
     registers = ws_tile_registers(variant, d) + release.ws_spare_registers
     if variant.stream_k and release.ws_merge_tile:
         registers += variant.block_m * d // 128
@@ -253,7 +252,7 @@ def ws_default(problem: Problem, variant_type: Any, gpu: Gpu) -> Any:
     if best is None or ws_constraint(best, problem, gpu) is None:
         return best
     turns = two.replace(pingpong=True, persistent=best.persistent, mask_branch=problem.local)
-    for fallback in (turns, best.replace(q_regs=False), best.replace(overlap=False)):
+    for fallback in (turns, best.replace(q_regs=False), best.replace(q_regs=False, overlap=False)):
         if ws_constraint(fallback, problem, gpu) is None:
             return fallback
     return None
@@ -319,12 +318,13 @@ def _ws_measured(problem: Problem, two: Any, gpu: Gpu) -> Any:
         # dynamic scheduler, their slot freed once read (in turns without a mask); longer ones
         # with overlap, the output through the query slot, over a ring of three up to 4096
         # tokens; without a mask past 4096 on the dynamic scheduler. P·V's first two parts as one
-        # product but for causal prompts past 4096 tokens (+0.7% to +3.8% elsewhere, -1.3% and
-        # -1.7% there; issue33_h200_d192.md).
-        pair = not (problem.causal and n > 4096)
-        parts = two.replace(block_n=64, q_regs=True, pv_pair=pair)
+        # product but for causal prompts past 4096 tokens (+0.5% to +3.7% without a mask, +0.7% to
+        # +2.1% causal up to 4096 but -0.6% once at 4096, -1.4% to -1.9% past it;
+        # issue33_h200_d192.md). Causal heads in groups of half the L2, as measured.
+        paired = not (problem.causal and n > 4096)
+        parts = two.replace(block_n=64, q_regs=True, pv_pair=paired)
         heaviest = {"order": "grouped", "reverse_m": True} if problem.causal else {}
-        taken = {**dynamic, "q_stages": 1}
+        taken = {**dynamic, "q_stages": 1, "l2_share": 2}
         if n <= (2048 if problem.causal else 1024):
             return parts.replace(overlap=False, pingpong=not problem.causal, **taken)
         if n <= 4096:
