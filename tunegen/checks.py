@@ -239,19 +239,9 @@ def int32_arg(name: str, t: object, rank: int, shape: str, device: torch.device)
 
 def offsets_arg(name: str, cu: object, device: torch.device) -> torch.Tensor:
     """`cu` if it is a contiguous 1-D int32 tensor of at least 2 offsets on `device`."""
-    if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype != torch.int32:
-        what = (
-            f"{cu.dtype} tensor of shape {tuple(cu.shape)}"
-            if isinstance(cu, torch.Tensor)
-            else type(cu).__name__
-        )
-        raise ValueError(f"{name}: expected a 1-D int32 tensor of batch + 1 offsets, got {what}")
+    cu = int32_arg(name, cu, 1, "of batch + 1 offsets", device)
     if cu.shape[0] < 2:
         raise ValueError(f"{name}: expected at least 2 offsets (batch + 1), got {cu.shape[0]}")
-    if cu.device != device:
-        raise ValueError(f"{name}: expected device {device} like q, got {cu.device}")
-    if cu.stride(0) != 1:
-        raise ValueError(f"{name}: expected a contiguous tensor; call .contiguous() on it")
     return cu
 
 
