@@ -247,7 +247,8 @@ def attention_varlen(
 
     `cu_seqlens_q`/`cu_seqlens_k` are int32 offsets (batch + 1) of each sequence in the packed
     tensors; `max_seqlen_q`/`max_seqlen_k` bound their lengths. The offsets are read once to be
-    checked (a device-to-host copy on GPU), except while a CUDA graph is being captured. With
+    checked (a device-to-host copy on GPU, which the launch waits for while the dispatch runs),
+    except while a CUDA graph is being captured. With
     `return_lse`, also returns the log-sum-exp (heads, total_q) in float32. Under torch.compile
     the call is the custom op `torch.ops.tunegen.attention_varlen`. Differentiable, as `attention`.
     `window_size`, `attention_chunk`, `softcap` and `sinks` as `attention`'s, per sequence.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 
@@ -107,14 +107,15 @@ def check_attention_varlen(
     read_lengths: bool,
     seqused_k: object = None,
     block_table: object = None,
-) -> None:
+) -> LengthsCheck | None:
     """Check packed (total_tokens, heads, head_dim) inputs and their cumulative lengths; with
     `block_table` and `seqused_k` (FlashAttention's paged keys, cu_seqlens_k then None), k and v
     are paged caches (num_pages, page_size, kv_heads, head_dim) instead (see `check_pages`).
 
     With `read_lengths`, the lengths themselves are read to check they start at 0, never
     decrease, end at the token count and fit the stated maxima, and the pages each sequence uses
-    lie in the cache: one device-to-host copy on GPU (`_read_back`), where each is a sync.
+    lie in the cache: returns their `LengthsCheck`, whose copy to the host has started and whose
+    `wait` raises what they fail.
     """
     paged = block_table is not None or seqused_k is not None
     layout = "(total_tokens, heads, head_dim)"
@@ -148,24 +149,54 @@ def check_attention_varlen(
             f"names ({block_table.shape[1]} pages of {k.shape[1]}), got {max_seqlen_k}"
         )
     if not read_lengths:
-        return
+        return None
+    total_q, total_k = q.shape[0], k.shape[0]  # paged: k.shape[0] counts the cache's pages
+
+    def check_packed(offsets_q: list[int], offsets_k: list[int]) -> None:
+        _check_offsets("cu_seqlens_q", offsets_q, total_q, "max_seqlen_q", max_seqlen_q)
+        _check_offsets("cu_seqlens_k", offsets_k, total_k, "max_seqlen_k", max_seqlen_k)
+
+    def check_paged(offsets_q: list[int], used: list[int], outside: list[int]) -> None:
+        _check_offsets("cu_seqlens_q", offsets_q, total_q, "max_seqlen_q", max_seqlen_q)
+        _check_used_pages(total_k, used, outside, block_table, max_seqlen_k)
+
     if paged:
         outside = _outside_pages(k.shape[0], k.shape[1], seqused_k, block_table)
-        offsets_q, used, bad = _read_back(cu_q, seqused_k, outside.reshape(-1))
-    else:
-        offsets_q, offsets_k = _read_back(cu_q, cu_k)
-    _check_offsets("cu_seqlens_q", offsets_q, q.shape[0], "max_seqlen_q", max_seqlen_q)
-    if paged:
-        _check_used_pages(k.shape[0], used, bad, block_table, max_seqlen_k)
-    else:
-        _check_offsets("cu_seqlens_k", offsets_k, k.shape[0], "max_seqlen_k", max_seqlen_k)
+        return LengthsCheck((cu_q, seqused_k, outside.reshape(-1)), check_paged)
+    return LengthsCheck((cu_q, cu_k), check_packed)
 
 
-def _read_back(*tensors: torch.Tensor) -> list[list[int]]:
-    """1-D integer tensors of one device as lists on the host, in one copy (one sync on a GPU)."""
-    flat = torch.cat([t.to(torch.int64) for t in tensors]).tolist()
-    cuts = list(itertools.accumulate(t.shape[0] for t in tensors))
-    return [flat[a:b] for a, b in itertools.pairwise([0, *cuts])]
+class LengthsCheck:
+    """A packed call's lengths on their way to the host, and the checks they take there.
+
+    The copy starts as the call is checked: the 1-D integer `tensors` (one device) in one
+    device-to-host copy, on a GPU into pinned memory behind the work already queued. `wait` blocks
+    until they arrive and raises what `check` (their host lists, in order) finds wrong. A call
+    waits as the last step before its launch: the GPU then idles only for the copy, the check and
+    the launch, where a read at the start of the call left it idle for the whole dispatch too."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], check: Callable[..., None]) -> None:
+        flat = torch.cat([t.to(torch.int32) for t in tensors])
+        self._cuts = list(itertools.accumulate(t.shape[0] for t in tensors))
+        self._check: Callable[..., None] | None = check
+        self._arrived: torch.cuda.Event | None = None
+        self._host = flat
+        if flat.is_cuda:
+            self._host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            self._host.copy_(flat, non_blocking=True)
+            self._arrived = torch.cuda.Event()
+            self._arrived.record(torch.cuda.current_stream(flat.device))
+
+    def wait(self) -> None:
+        """Block until the lengths are on the host and raise the ValueError they earn; passed
+        once, later calls return at once."""
+        if self._check is None:
+            return
+        if self._arrived is not None:
+            self._arrived.synchronize()
+        flat = self._host.tolist()
+        self._check(*(flat[a:b] for a, b in itertools.pairwise([0, *self._cuts])))
+        self._check = None
 
 
 def check_pages(

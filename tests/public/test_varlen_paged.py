@@ -12,7 +12,9 @@ import torch
 import tunegen
 import tunegen.flash_attn as fa2
 from helpers import DECODE_PATHS, REL_TOL, assert_lse, on_path, paged, rel_err, run_variant
+from tunegen import checks
 from tunegen.calls.prefill import PrefillCall, Varlen
+from tunegen.kernels import dispatch
 from tunegen.kernels.families import prefill
 from tunegen.kernels.gpu import gpu_of
 from tunegen.kernels.reference import attention_varlen_reference, gather_pages
@@ -247,9 +249,11 @@ def test_counts_and_pages_are_read_only_when_asked():
     x = paged([3, 5], [8, 20], 4, 2, 16, 16, torch.float16, torch.device("cpu"), seed=10)
     bad = {"seqused_k": torch.tensor([-5, 99], dtype=torch.int32), "block_table": x.block_table}
     sizes = (x.cu_seqlens_q, None, 5, 20)
-    assert PrefillCall.packed(x.q, x.k_cache, x.v_cache, *sizes, **bad, read_lengths=False).varlen.paged
+    unread = PrefillCall.packed(x.q, x.k_cache, x.v_cache, *sizes, **bad, read_lengths=False)
+    assert unread.varlen.paged and unread.lengths is None
+    read = PrefillCall.packed(x.q, x.k_cache, x.v_cache, *sizes, **bad, read_lengths=True)
     with pytest.raises(ValueError, match=r"seqused_k: sequence 0 has -5 keys"):
-        PrefillCall.packed(x.q, x.k_cache, x.v_cache, *sizes, **bad, read_lengths=True)
+        read.lengths.wait()
 
 
 @pytest.mark.parametrize("pages", [False, True], ids=["packed", "paged"])
@@ -267,5 +271,32 @@ def test_the_lengths_are_read_back_in_one_copy(pages, monkeypatch):
     tolist, as_bool = torch.Tensor.tolist, torch.Tensor.__bool__
     monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append("tolist") or tolist(t))
     monkeypatch.setattr(torch.Tensor, "__bool__", lambda t: reads.append("bool") or as_bool(t))
-    PrefillCall.packed(x.q, *keys, 5, 20, **extra, read_lengths=True)
+    call = PrefillCall.packed(x.q, *keys, 5, 20, **extra, read_lengths=True)
+    assert reads == []
+    call.args(torch.empty_like(x.q), None)
+    call.args(torch.empty_like(x.q), None)
     assert reads == ["tolist"]
+
+
+@pytest.mark.parametrize("pages", [False, True], ids=["packed", "paged"])
+def test_the_lengths_are_checked_after_the_dispatch(path, pages, monkeypatch):
+    """The public call dispatches while its lengths are on their way to the host, and waits for
+    them (raising what they fail) right before the launch: a read at the start left the GPU idle
+    for the whole dispatch. Bad lengths still raise before any kernel runs; the PyTorch path
+    waits for them too."""
+    device, strict = path
+    steps = []
+    kernel_for, wait = dispatch.kernel_for, checks.LengthsCheck.wait
+    monkeypatch.setattr(dispatch, "kernel_for", lambda *a: steps.append("dispatch") or kernel_for(*a))
+    monkeypatch.setattr(checks.LengthsCheck, "wait", lambda self: steps.append("wait") or wait(self))
+    if pages:
+        a, pattern = _args(seqused_k=_table([8, 99])), r"seqused_k: sequence 1 has 99 keys"
+    else:
+        x = paged([3, 5], [8, 20], 4, 2, 16, 16, torch.float16, torch.device("cpu"), seed=12)
+        a = {"q": x.q, "k": x.k, "v": x.v, "cu_seqlens_q": x.cu_seqlens_q, "cu_seqlens_k": _table([0, 8, 27])}
+        a.update(max_seqlen_q=5, max_seqlen_k=20)
+        pattern = r"cu_seqlens_k: expected the last offset to equal the token count 28, got 27"
+    a = {n: t.to(device) if isinstance(t, torch.Tensor) else t for n, t in a.items()}
+    with pytest.raises(ValueError, match=pattern):
+        tunegen.attention_varlen(**a, strict=strict)
+    assert steps == (["wait"] if strict is None else ["dispatch", "wait"])

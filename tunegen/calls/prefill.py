@@ -55,7 +55,9 @@ class PrefillCall:
     caller asked for it, or autograd keeps it for the backward); `out_dtype` is what the caller
     gets back (FP8 kernels write bfloat16); `deterministic` asks for a backward whose gradients
     are the same bits on every run (as torch.use_deterministic_algorithms does for every call);
-    `local`, the attention of current models it asks for (window, chunks, cap, sinks).
+    `local`, the attention of current models it asks for (window, chunks, cap, sinks);
+    `lengths`, a packed call's lengths on their way to the host to be checked, which every launch
+    and the PyTorch path wait for (`checks.LengthsCheck`).
     """
 
     q: torch.Tensor
@@ -70,6 +72,7 @@ class PrefillCall:
     out_dtype: torch.dtype | None = None
     deterministic: bool = False
     local: Local = NONE
+    lengths: checks.LengthsCheck | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @classmethod
     def dense(
@@ -125,12 +128,13 @@ class PrefillCall:
         block_table: object = None,
     ) -> PrefillCall:
         """`tunegen.attention_varlen`'s call, checked; with `read_lengths`, the offsets (or the
-        paged keys' counts and pages) too, read back to the host: see checks.check_attention_varlen.
+        paged keys' counts and pages) too, read back to the host (see checks.check_attention_varlen)
+        while the call is dispatched, and checked before it runs (`lengths`).
         A paged call (`block_table`) takes no gradient: its keys are a cache, which nothing trains,
         and the backward kernels read packed keys only."""
         sizes = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         pages = {"seqused_k": seqused_k, "block_table": block_table}
-        checks.check_attention_varlen(q, k, v, *sizes, read_lengths=read_lengths, **pages)
+        lengths = checks.check_attention_varlen(q, k, v, *sizes, read_lengths=read_lengths, **pages)
         resolved = checks.check_scale(scale, q.shape[-1])
         local = check_local(q, window_size, attention_chunk, softcap, sinks)
         if block_table is not None and wants_grad(q, k, v, local.sinks):
@@ -152,6 +156,7 @@ class PrefillCall:
             Varlen(*sizes, **pages),
             deterministic=flag,
             local=local,
+            lengths=lengths,
         )
 
     @property
@@ -208,7 +213,11 @@ class PrefillCall:
         )
 
     def args(self, out: torch.Tensor, lse: torch.Tensor | None) -> PrefillArgs:
-        """The kernel's launch arguments, writing `out` and `lse`."""
+        """The kernel's launch arguments, writing `out` and `lse`, once the lengths read back (if
+        any) pass their checks: the last step before a launch, so the dispatch ran while they
+        were on their way."""
+        if self.lengths is not None:
+            self.lengths.wait()
         args = PrefillArgs(
             self.q, self.k, self.v, out, lse, self.scale, softcap=self.local.softcap, sinks=self.local.sinks
         )
@@ -246,7 +255,10 @@ class PrefillCall:
 
     def fallback(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The PyTorch path: the reference in float32 (float64 for float64 inputs), the output in
-        the caller's dtype and the log-sum-exp in float32."""
+        the caller's dtype and the log-sum-exp in float32, once the lengths read back (if any)
+        pass their checks."""
+        if self.lengths is not None:
+            self.lengths.wait()
         out, lse = self.reference(fallback_dtype(self.q.dtype))
         return out.to(self.out_dtype or self.q.dtype), lse.float()
 
