@@ -16,6 +16,7 @@ from conftest import NEEDS_GPU, NEEDS_INTERPRETER
 
 import tunegen
 from helpers import assert_grads, assert_lse, leaves, packed, qkv_dout, reference_grads, rel_err
+from tunegen import flash_provider
 from tunegen.backends import FallbackError
 from tunegen.kernels.reference import attention_reference, attention_varlen_reference
 from tunegen.unserved import flash_lse
@@ -61,6 +62,9 @@ def test_registered_on_import_and_active_only_when_asked():
 
 
 def test_activation_puts_flash_first_and_restoring_gives_everything_back():
+    # PyTorch settles its order at a process's first CUDA SDPA call (cuDNN first on Hopper), and
+    # activation has that happen first: restoring gives back the settled order.
+    flash_provider._settle_priority()
     before = list(torch._C._get_sdp_priority_order())
     attention.activate_flash_attention_impl("tunegen")
     try:
