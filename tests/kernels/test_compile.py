@@ -170,8 +170,9 @@ def test_the_features_of_current_models_compile_without_spilling():
 
 def test_ws_variants_compile_for_sm90_with_wgmma_and_without_spilling():
     """The Hopper schedule is Gluon: it compiles offline for sm_90 like the rest, with its products
-    as wgmma (m64 by block_n, and by the head-dim tile's part), and what the installed release's
-    constraint admits spills at most 64 bytes (releases differ: see tunegen.kernels.releases)."""
+    as wgmma (m64 by block_n, and by the head-dim tile's part), what the installed release's
+    constraint admits spills at most 64 bytes (releases differ: see tunegen.kernels.releases), and
+    ptxas reuses no register an asynchronous product reads from (`sass.operand_clobbers`)."""
     gpu = TARGETS["hopper"]
     ws = prefill.PrefillVariant(schedule="ws", block_n=128, consumers=2, pingpong=True, overlap=True)
     grouped = dataclasses.replace(ws, block_n=64, num_stages=3, order="grouped")
@@ -239,6 +240,8 @@ def test_ws_variants_compile_for_sm90_with_wgmma_and_without_spilling():
         assert report.error is None, (job.rendered.source.splitlines()[3], report.error)
         assert 0 < report.shared_bytes <= gpu.smem_per_block
         assert report.local_bytes is not None and report.local_bytes <= SPILL_BOUND, report.local_bytes
+        # No instruction writes the registers a product still reads (P, or the query rows).
+        assert report.clobbers == (), (job.rendered.source.splitlines()[3], report.clobbers)
         operand, k = {"bfloat16": ("bf16", 16), "float16": ("f16", 16), "e4m3": ("e4m3", 32)}[dtype]
         for n in (variant.block_n, ws_block_d(d)[1] * (2 if variant.pv_pair else 1)):
             assert f"wgmma.mma_async.sync.aligned.m64n{n}k{k}.f32.{operand}.{operand}" in report.mma, (

@@ -12,12 +12,11 @@ import concurrent.futures
 import dataclasses
 import multiprocessing
 import re
-import subprocess
-import tempfile
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from tunegen.kernels import sass
 from tunegen.kernels.environ import environment
 from tunegen.kernels.releases import COMPILE_OPTIONS
 from tunegen.kernels.render import Rendered, interpreting, load
@@ -32,7 +31,9 @@ TRITON_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 class CompileReport:
     """What compiling one kernel for one target produced: shared memory, the tensor-core
     instructions in its PTX (whether FP8 products run as e4m3 wgmma, for one), the registers per
-    thread it launches with and the local memory (spills) its cubin uses, or the compiler's error."""
+    thread it launches with and the local memory (spills) its cubin uses, on sm_90 the
+    instructions that write registers an asynchronous wgmma still reads (`sass.operand_clobbers`;
+    None where not looked for), or the compiler's error."""
 
     capability: tuple[int, int]
     shared_bytes: int | None
@@ -40,6 +41,7 @@ class CompileReport:
     mma: tuple[str, ...] = ()
     registers: int | None = None
     local_bytes: int | None = None
+    clobbers: tuple[str, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,8 +103,16 @@ def compile_for(job: CompileJob) -> CompileReport:
         return CompileReport(job.capability, None, f"{type(exc).__name__}: {exc}")
     mma = tuple(sorted(set(re.findall(r"\b(?:wgmma\.mma_async|mma\.sync)[\w.]*", compiled.asm["ptx"]))))
     registers, local = _resource_usage(compiled.asm["cubin"])
+    clobbers = None
+    if job.capability >= (9, 0) and (code := sass.cubin_tool("nvdisasm", "-c", compiled.asm["cubin"])):
+        clobbers = tuple(sass.operand_clobbers(code))
     return CompileReport(
-        job.capability, int(compiled.metadata.shared), mma=mma, registers=registers, local_bytes=local
+        job.capability,
+        int(compiled.metadata.shared),
+        mma=mma,
+        registers=registers,
+        local_bytes=local,
+        clobbers=clobbers,
     )
 
 
@@ -149,22 +159,9 @@ def warm_compiler(capability: tuple[int, int]) -> None:
 
 def _resource_usage(cubin: bytes) -> tuple[int | None, int | None]:
     """Registers per thread at launch and local-memory bytes (spills, stack) of a cubin, from
-    cuobjdump, which Triton ships beside ptxas."""
-    import triton
-
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
-        handle.write(cubin)
-        handle.flush()
-        try:
-            text = subprocess.run(
-                [triton.knobs.nvidia.cuobjdump.path, "-res-usage", handle.name],
-                capture_output=True,
-                text=True,
-                check=True,
-            ).stdout
-        except (OSError, subprocess.CalledProcessError):
-            return None, None
-    usage = dict(re.findall(r"\b(REG|STACK|LOCAL):(\d+)", text))
+    cuobjdump."""
+    text = sass.cubin_tool("cuobjdump", "-res-usage", cubin)
+    usage = dict(re.findall(r"\b(REG|STACK|LOCAL):(\d+)", text or ""))
     if "REG" not in usage:
         return None, None
     return int(usage["REG"]), int(usage.get("STACK", 0)) + int(usage.get("LOCAL", 0))
