@@ -7,9 +7,12 @@ Each Variant is built and checked against float64 on the dequantized inputs at a
 lengths no tile divides, outputs poisoned) in parallel worker processes first; then each is checked
 again on sampled rows of each shape, and the shape's Variants, the bf16 implementations and the
 quantize step are timed together in interleaved rounds (sweep.py). Results are written after every
-shape.
+shape. `--candidates default` times each shape's default Variant alone; `--old-templates` adds
+that default rendered from other copies of the templates (an older commit: `git archive REV
+templates | tar -x -C old`), checked on the shape's sampled rows like the rest.
 
     python benchmarks/fp8_defaults.py --seqlens 2048,16384 -o fp8_defaults_h100.json
+    python benchmarks/fp8_defaults.py --candidates default --old-templates head=old/templates
 """
 
 from __future__ import annotations
@@ -20,8 +23,11 @@ import datetime
 import functools
 import itertools
 import json
+import pathlib
 
 import torch
+from backward_ab import _templates
+from prefill_ab import _labelled
 from prefill_candidates import WS, ws_variant
 from prefill_defaults import _label, _sized, check_in_workers
 from sweep import time_in_rounds
@@ -98,6 +104,14 @@ def main() -> None:
     ap.add_argument("--causal", default="both", choices=["both", "true", "false"])
     ap.add_argument("--workers", type=int, default=14)
     ap.add_argument("--hang-s", type=float, default=120.0)
+    ap.add_argument("--candidates", default="all", choices=["all", "default"])
+    ap.add_argument(
+        "--old-templates",
+        action="append",
+        default=[],
+        metavar="[LABEL=]DIR",
+        help="a folder of templates to render each shape's default from too (repeatable)",
+    )
     ap.add_argument("-o", "--output", default=None)
     args = ap.parse_args()
     seqlens = [int(x) for x in args.seqlens.split(",")]
@@ -116,7 +130,7 @@ def main() -> None:
         for shape in groups
         for v in dict.fromkeys(
             [prefill.FAMILY.default_variant(_problem(_sized(shape, n)), gpu) for n in seqlens]
-            + candidates(shape.head_dim, shape.causal)
+            + (candidates(shape.head_dim, shape.causal) if args.candidates == "all" else [])
         )
         if prefill.FAMILY.constraint(v, _problem(shape), gpu) is None
     ]
@@ -162,13 +176,22 @@ def main() -> None:
                 results.append({**row, "impl": name, "ms": None, "tflops": None})
                 timed.append((results[-1], fn))
             out = torch.empty(q.shape, device="cuda", dtype=torch.bfloat16)
-            for vd in good:
-                kernel = base.build(prefill.FAMILY, prefill.PrefillVariant(**vd), _problem(shape), gpu)
+            problem = _problem(shape)
+            default = prefill.FAMILY.default_variant(problem, gpu)
+            chosen = [prefill.PrefillVariant(**vd) for vd in good]
+            if args.candidates == "default":
+                chosen = [v for v in chosen if v == default]
+            kernels = [(_label(v.as_dict()), v, base.build(prefill.FAMILY, v, problem, gpu)) for v in chosen]
+            for label, folder in map(_labelled, args.old_templates):
+                with _templates(pathlib.Path(folder)):
+                    kernels.append((label, default, base.build(prefill.FAMILY, default, problem, gpu)))
+            for label, variant, kernel in kernels:
                 out.fill_(float("nan"))
                 fn = functools.partial(kernel.launch, _args(x, out, scale))
                 fn()
                 err = sampled_error(out, *values, causal=shape.causal, scale=scale, generator=gen)
-                rec = {**row, "variant": vd, "label": _label(vd), "ms": None, "tflops": None, "error": err}
+                vd = variant.as_dict()
+                rec = {**row, "variant": vd, "label": label, "ms": None, "tflops": None, "error": err}
                 results.append(rec)
                 if err < FP8_TOLERANCE:
                     timed.append((rec, fn))
