@@ -85,8 +85,10 @@ def test_every_ws_knob_in_fp8_against_float64(variant, causal, nq, nk, d):
 @HOPPER
 def test_ws_fp8_takes_fa3_descales_and_row_major_v():
     """One descale per (batch, KV head), V as users pass it (row-major, transposed by the launcher),
-    MQA, a persistent grid of several waves; and the public call on 16-bit inputs (alone on a
-    release whose Hopper schedule takes no FP8, where it runs FlashAttention-2's loop)."""
+    K in other layouts than quantize_fp8's heads of whole 16-row groups (contiguous at a length
+    no 16 divides, and (batch, seqlen, heads) memory: copied by the launcher), MQA, a persistent
+    grid of several waves; and the public call on 16-bit inputs (alone on a release whose Hopper
+    schedule takes no FP8, where it runs FlashAttention-2's loop)."""
     q, k, v = _inputs(3, 8, 1, 1100, 1100, 128, torch.bfloat16, seed=21)
     x = tunegen.quantize_fp8(q, k, v, per_block=False)
     runs_fp8 = prefill.FAMILY.constraint(WS, dataclasses.replace(FP8, head_dim=128), INSTALLED) is None
@@ -98,6 +100,8 @@ def test_ws_fp8_takes_fa3_descales_and_row_major_v():
             a = _fp8_check(variant, x, causal)
             b = _fp8_check(variant, x._replace(v=x.v.contiguous()), causal)
             assert torch.equal(a, b)
+            for k8 in (x.k.contiguous(), x.k.transpose(1, 2).contiguous().transpose(1, 2)):
+                assert torch.equal(a, _fp8_check(variant, x._replace(k=k8), causal))
     for causal in (False, True):
         out = tunegen.attention(q, k, v, causal=causal, precision="fp8", strict=True)
         ref, _ = attention_reference(q, k, v, causal=causal, scale=128**-0.5)

@@ -132,6 +132,15 @@ def empty_k_major(shape: torch.Size | tuple[int, ...], device: torch.device) -> 
     return torch.empty((b, h, d, -(-n // 16) * 16), device=device, dtype=E4M3)[..., :n].transpose(2, 3)
 
 
+def empty_key_groups(shape: torch.Size | tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """An uninitialized e4m3 (batch, heads, seqlen, head_dim) tensor whose heads are whole groups
+    of 16 rows apart: a view of (batch, heads, ceil(seqlen / 16) * 16, head_dim) contiguous memory,
+    contiguous itself where seqlen is a multiple of 16. The Hopper schedule's FP8 kernel reads K's
+    rows in its own order from 16-row groups (a rank-5 TMA box), and `quantize_fp8` writes K so."""
+    b, h, n, d = shape
+    return torch.empty((b, h, -(-n // 16) * 16, d), device=device, dtype=E4M3)[:, :, :n]
+
+
 def k_major(x8: torch.Tensor) -> torch.Tensor:
     """e4m3 x8 (batch, heads, seqlen, head_dim) copied into `empty_k_major`'s layout."""
     view = empty_k_major(x8.shape, x8.device)
@@ -157,4 +166,6 @@ def quantize_reference(
     q8, q_descale = quantize_blocks(q, group, rows)
     k8, k_descale = quantize_blocks(k, 1, rows)
     v8, v_descale = quantize_blocks(v, 1, None)
-    return Fp8Inputs(q8, k8, k_major(v8), q_descale, k_descale, v_descale)
+    k_groups = empty_key_groups(k8.shape, k8.device)
+    k_groups.copy_(k8)
+    return Fp8Inputs(q8, k_groups, k_major(v8), q_descale, k_descale, v_descale)

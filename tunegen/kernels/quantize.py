@@ -71,7 +71,7 @@ def outputs(q: torch.Tensor, k: torch.Tensor, *, per_block: bool) -> fp8.Fp8Inpu
         q_descale, k_descale = torch.empty(batch, heads_kv, **f32), torch.empty(batch, heads_kv, **f32)
     return fp8.Fp8Inputs(
         torch.empty(q.shape, **e4m3),
-        torch.empty(k.shape, **e4m3),
+        fp8.empty_key_groups(k.shape, q.device),
         fp8.empty_k_major(k.shape, q.device),
         q_descale,
         k_descale,
