@@ -12,7 +12,9 @@ beside the best Variant's.
 
 With `--window LEFT`, every Problem takes a sliding window of LEFT keys before the query's (issue
 32: decode reads only the window's pages), its reference the window's keys only, and the splits
-swept reach four times the default's.
+swept reach four times the default's. With `--fp8`, the cache is e4m3 with descales per (sequence,
+KV head) (`KVCache`'s FP8 layout), the reference SDPA on its dequantized tokens, and the key tiles
+swept reach 256 (an e4m3 tile of 128 keys moves the bytes of a bf16 tile of 64).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 import triton
 from sweep import time_in_rounds
 
+from tunegen.kernels import fp8
 from tunegen.kernels.families import base, decode
 from tunegen.kernels.gpu import cuda_gpu
 from tunegen.kernels.launch_args import DecodeArgs
@@ -43,13 +46,15 @@ def ints(text: str) -> list[int]:
 
 
 def candidates(problem, gpu) -> list[decode.DecodeVariant]:
-    """The default, then every tile with the default's split count, half and double it, and none."""
+    """The default, then every tile with the default's split count, half and double it, and none
+    (and for an e4m3 cache, key tiles of 256 too)."""
     default = decode.FAMILY.default_variant(problem, gpu)
     wider = (2, 4) if problem.local else (2,)
     n = default.num_splits
     splits = sorted({1, max(1, n // 2), n, *(min(64, n * w) for w in wider)})
     out = [default]
-    for (block_n, warps, stages), n in itertools.product(TILES, splits):
+    tiles = TILES + list(itertools.product((256,), (4, 8), (2, 3))) if problem.fp8 else TILES
+    for (block_n, warps, stages), n in itertools.product(tiles, splits):
         variant = dataclasses.replace(
             default, block_n=block_n, num_warps=warps, num_stages=stages, num_splits=n
         )
@@ -59,7 +64,8 @@ def candidates(problem, gpu) -> list[decode.DecodeVariant]:
 
 
 def inputs(problem, gen):
-    """q, the cache (as the kernel takes it), its lengths and block table, and the reference."""
+    """q, the cache (as the kernel takes it), its lengths and block table, its descales (an e4m3
+    cache's, else None), and the reference."""
     b, n, hq, hkv, d = (
         problem.batch,
         problem.seqlen_k,
@@ -71,11 +77,18 @@ def inputs(problem, gen):
     keys, values = (
         torch.randn(b, n, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2)
     )
+    descales = None
+    if problem.fp8:
+        descales = tuple(fp8.calibrate_kv(x, 1.0) for x in (keys, values))
+        keys, values = (fp8.quantize_kv(x, s) for x, s in zip((keys, values), descales, strict=True))
+        seen = [x.float() * s[:, None, :, None] for x, s in zip((keys, values), descales, strict=True)]
+    else:
+        seen = [keys, values]
     first = max(0, n - 1 - problem.window_left) if problem.window_left >= 0 else 0  # the window's
     ref = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(1, 2).float(),
-        keys[:, first:].transpose(1, 2).float(),
-        values[:, first:].transpose(1, 2).float(),
+        seen[0][:, first:].transpose(1, 2).float(),
+        seen[1][:, first:].transpose(1, 2).float(),
         enable_gqa=True,
     ).transpose(1, 2)
     seqlens = torch.full((b,), n, dtype=torch.int32, device="cuda")
@@ -90,7 +103,7 @@ def inputs(problem, gen):
             cache[order] = x.reshape(-1, page, hkv, d)
             paged.append(cache)
         keys, values = paged
-    return q, keys, values, seqlens, table, ref
+    return q, keys, values, seqlens, table, descales, ref
 
 
 def main() -> None:
@@ -99,6 +112,7 @@ def main() -> None:
     ap.add_argument("--cache-lengths", type=ints, default=[4096, 32768])
     ap.add_argument("--page-sizes", type=ints, default=[0, 64])
     ap.add_argument("--window", type=int, default=-1, help="a window of this many keys before the query's")
+    ap.add_argument("--fp8", action="store_true", help="an e4m3 cache")
     ap.add_argument("-o", "--output", default=None)
     args = ap.parse_args()
     gpu = cuda_gpu(0)
@@ -113,8 +127,10 @@ def main() -> None:
     for problem in decode_suite(
         args.batches, args.cache_lengths, page_sizes=args.page_sizes, window_size=window
     ):
+        problem = dataclasses.replace(problem, fp8=args.fp8)
         unit, work = decode.FAMILY.measure(problem)
-        q, keys, values, seqlens, table, ref = inputs(problem, torch.Generator("cuda").manual_seed(0))
+        gen = torch.Generator("cuda").manual_seed(0)
+        q, keys, values, seqlens, table, descales, ref = inputs(problem, gen)
         tensors = (q, keys, values, seqlens)
         out = torch.empty_like(q)
         scale = problem.head_dim**-0.5
@@ -123,7 +139,9 @@ def main() -> None:
             row = {**problem.as_dict(), "variant": variant.as_dict(), "default": i == 0}
             try:
                 kernel = base.build(decode.FAMILY, variant, problem, gpu)
-                launch = functools.partial(kernel.launch, DecodeArgs(*tensors, out, None, scale, table))
+                k_descale, v_descale = descales or (None, None)
+                call = DecodeArgs(*tensors, out, None, scale, table, k_descale=k_descale, v_descale=v_descale)
+                launch = functools.partial(kernel.launch, call)
                 out.fill_(float("nan"))
                 launch()
                 row["rel_err"] = err = float((out.float() - ref).norm() / ref.norm())

@@ -1,4 +1,4 @@
-"""Decode over an FP8 (e4m3) KV cache: the kernel widens the cache in registers and must match
+"""Decode over an FP8 (e4m3) KV cache: the kernel widens the cache to float16 in registers and must match
 float64 on the dequantized cache as tightly as a 16-bit cache does; appended tokens land
 quantized exactly as PyTorch rounds them; KVCache's FP8 option calibrates, appends and attends."""
 
@@ -43,6 +43,12 @@ def widened(cache8, table, descale):
     return out
 
 
+def fp8_reference(q, k_cache, v_cache, table, descales, lengths, scale):
+    """float64 attention of q over the values an FP8 cache stands for, and its log-sum-exp."""
+    k, v = (widened(c, table, d) for c, d in zip((k_cache, v_cache), descales, strict=True))
+    return reference(q, k, v, table, lengths, True, scale)
+
+
 CASES = [
     # batch, hq, hkv, d, nq, lengths, capacity, page, variant
     (3, 8, 2, 64, 1, [0, 37, 100], 128, 0, decode.DecodeVariant(block_n=16, num_splits=1, num_stages=1)),
@@ -82,17 +88,27 @@ def test_fp8_cache_matches_float64_and_appends_quantized(
                 "appended tokens are rounded as PyTorch does"
             )
     total = [n + nq for n in lengths]
-    ref, ref_lse = reference(
-        q,
-        widened(k_cache, table, descales[0]),
-        widened(v_cache, table, descales[1]),
-        table,
-        total,
-        True,
-        d**-0.5,
-    )
+    ref, ref_lse = fp8_reference(q, k_cache, v_cache, table, descales, total, d**-0.5)
     assert rel_err(out, ref) < REL_TOL[dtype]
     assert_lse(lse, ref_lse, dtype)
+
+
+def test_fp8_cache_takes_query_rows_past_float16s_range(device):
+    """The products run in float16: bfloat16 query rows beyond its range (an element of 1e5, over
+    a head-dim column the keys hold zeros in) are divided by a power of two first, not sent to inf."""
+    gen = torch.Generator().manual_seed(71)
+    k16, v16, table = make_cache(2, 2, 64, [45, 70], 96, 0, torch.bfloat16, device, gen)
+    k16[..., 0] = 0
+    descales = [torch.rand(2, 2, generator=gen).to(device) * 0.02 + 0.005 for _ in range(2)]
+    k_cache, v_cache = to_fp8(k16, table, descales[0]), to_fp8(v16, table, descales[1])
+    q = torch.randn(2, 1, 4, 64, generator=gen).to(device, torch.bfloat16)
+    q[..., 0] = 1e5
+    seqlens = torch.tensor([45, 70], dtype=torch.int32, device=device)
+    variant = decode.DecodeVariant(block_n=16, num_splits=2, num_stages=1)
+    out, lse = run_decode_variant(variant, q, k_cache, v_cache, seqlens, table, None, None, descales=descales)
+    ref, ref_lse = fp8_reference(q, k_cache, v_cache, table, descales, [45, 70], 0.125)
+    assert rel_err(out, ref) < REL_TOL[torch.bfloat16]
+    assert_lse(lse, ref_lse, torch.bfloat16)
 
 
 def test_public_decode_attention_over_an_fp8_cache(device):
@@ -103,18 +119,14 @@ def test_public_decode_attention_over_an_fp8_cache(device):
     seqlens = torch.tensor([40, 9], dtype=torch.int32, device=device)
     out = tunegen.decode_attention(q, k_cache, v_cache, seqlens, block_table=table, strict=True)
     ones = torch.ones(2, 2, device=device)
-    ref, _ = reference(
-        q, widened(k_cache, table, ones), widened(v_cache, table, ones), table, [40, 9], True, 32**-0.5
-    )
+    ref, _ = fp8_reference(q, k_cache, v_cache, table, (ones, ones), [40, 9], 32**-0.5)
     assert out.dtype == torch.bfloat16 and rel_err(out, ref) < REL_TOL[torch.bfloat16], (
         "descales default to 1"
     )
     # One descale given, the other None: the None one is 1, on the first call and on the later
     # calls of the same launch key (on CUDA, the fast path).
     k_descale = torch.rand(2, 2, generator=gen).to(device) + 0.5
-    ref, _ = reference(
-        q, widened(k_cache, table, k_descale), widened(v_cache, table, ones), table, [40, 9], True, 32**-0.5
-    )
+    ref, _ = fp8_reference(q, k_cache, v_cache, table, (k_descale, ones), [40, 9], 32**-0.5)
     for _ in range(2):
         out = tunegen.decode_attention(q, k_cache, v_cache, seqlens, block_table=table, k_descale=k_descale)
         assert rel_err(out, ref) < REL_TOL[torch.bfloat16], "a descale not given is 1"
@@ -227,13 +239,5 @@ def test_pytorch_fallback_appends_quantized_and_attends(monkeypatch):
         written = gathered(k_cache, table, b, n + 2)[:, n:].view(torch.uint8)
         expected = fp8.quantize_kv(new[0][b : b + 1], descales[0][b : b + 1])[0].transpose(0, 1)
         assert torch.equal(written, expected.view(torch.uint8))
-    ref, _ = reference(
-        q,
-        widened(k_cache, table, descales[0]),
-        widened(v_cache, table, descales[1]),
-        table,
-        [22, 9],
-        True,
-        32**-0.5,
-    )
+    ref, _ = fp8_reference(q, k_cache, v_cache, table, descales, [22, 9], 32**-0.5)
     assert rel_err(out, ref) < REL_TOL[torch.float16]
