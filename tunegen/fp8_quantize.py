@@ -29,9 +29,11 @@ def quantize_fp8(
     largest magnitude maps to 448, e4m3's largest.
 
     The returned v has v's shape but is K-major in memory, (head_dim, seqlen) per head (a
-    transposed view), the layout Hopper's FP8 products read; q and k are contiguous. On CUDA
-    tensors (and CPU tensors under TRITON_INTERPRET=1) one fused kernel does it all, reading each
-    input once; elsewhere PyTorch operations compute the same.
+    transposed view), the layout Hopper's FP8 products read; q is contiguous, and k's heads are
+    whole groups of 16 rows apart (contiguous where 16 divides seqlen_k), the memory the Hopper
+    schedule reads K's rows from in its own order. On CUDA tensors (and CPU tensors under
+    TRITON_INTERPRET=1) two fused kernels do it all, reading q and k once and v twice (its scale
+    spans the whole sequence); elsewhere PyTorch operations compute the same.
     """
     checks.check_attention(q, k, v)
     return quantize.quantize(q, k, v, hadamard=hadamard, per_block=per_block)
