@@ -169,14 +169,14 @@ def markdown(report: dict) -> str:
         lines.append(
             f"| {c['batch']} | {c['heads']} | {c['seqlen']} | {c['head_dim']} | {c['causal']} | "
             f"{a['16-bit']:.2e} | {a['fp8']:.2e} | {a['fp8+hadamard']:.2e} | "
-            f"{m['16-bit']:.2e} | {m['fp8']:.2e} | {m['fp8+hadamard']:.2e} | {ratio:.2f}x | "
+            f"{m['16-bit']:.2e} | {m['fp8']:.2e} | {m['fp8+hadamard']:.2e} | {ratio:.3f}x | "
             f"{'met' if ratio >= TARGET_RATIO else 'missed'} |"
         )
     ratios = [c["fp8_over_fp8_hadamard"] for c in report["configs"]]
     met = sum(r >= TARGET_RATIO for r in ratios)
     lines += [
         "",
-        f"The rotation gains {min(ratios):.2f}x to {max(ratios):.2f}x; the {TARGET_RATIO:g}x target is met "
+        f"The rotation gains {min(ratios):.3f}x to {max(ratios):.3f}x; the {TARGET_RATIO:g}x target is met "
         f"in {met} of {len(ratios)} configurations.",
         "",
         "Error budget (first seed; float64 emulation, no kernels): the relative RMSE when only Q and K "

@@ -31,7 +31,8 @@ def quantize_fp8(
     The returned v has v's shape but is K-major in memory, (head_dim, seqlen) per head (a
     transposed view), the layout Hopper's FP8 products read; q is contiguous, and k's heads are
     whole groups of 16 rows apart (contiguous where 16 divides seqlen_k), the memory the Hopper
-    schedule reads K's rows from in its own order. On CUDA tensors (and CPU tensors under
+    schedule reads K's rows from in its own order (it copies a k laid out otherwise, such as a
+    `.contiguous()` of this one). On CUDA tensors (and CPU tensors under
     TRITON_INTERPRET=1) two fused kernels do it all, reading q and k once and v twice (its scale
     spans the whole sequence); elsewhere PyTorch operations compute the same.
     """

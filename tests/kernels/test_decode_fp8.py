@@ -95,7 +95,8 @@ def test_fp8_cache_matches_float64_and_appends_quantized(
 
 def test_fp8_cache_takes_query_rows_past_float16s_range(device):
     """The products run in float16: bfloat16 query rows beyond its range (an element of 1e5, over
-    a head-dim column the keys hold zeros in) are divided by a power of two first, not sent to inf."""
+    a head-dim column the keys hold zeros in) are divided by a power of two first, not sent to inf;
+    an infinite element poisons its own head only."""
     gen = torch.Generator().manual_seed(71)
     k16, v16, table = make_cache(2, 2, 64, [45, 70], 96, 0, torch.bfloat16, device, gen)
     k16[..., 0] = 0
@@ -109,6 +110,14 @@ def test_fp8_cache_takes_query_rows_past_float16s_range(device):
     ref, ref_lse = fp8_reference(q, k_cache, v_cache, table, descales, [45, 70], 0.125)
     assert rel_err(out, ref) < REL_TOL[torch.bfloat16]
     assert_lse(lse, ref_lse, torch.bfloat16)
+    # An infinite element makes its own query head NaN, as over a 16-bit cache, and no other head
+    # of its KV head's group (the power of two is taken over finite elements).
+    q[0, 0, 1, 5] = float("inf")
+    out, _ = run_decode_variant(variant, q, k_cache, v_cache, seqlens, table, None, None, descales=descales)
+    assert out[0, 0, 1].isnan().all()
+    keep = torch.ones(out.shape[:3], dtype=torch.bool, device=device)
+    keep[0, 0, 1] = False
+    assert not out[keep].isnan().any() and rel_err(out[keep], ref[keep]) < REL_TOL[torch.bfloat16]
 
 
 def test_public_decode_attention_over_an_fp8_cache(device):

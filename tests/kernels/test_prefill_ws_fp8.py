@@ -81,14 +81,44 @@ def test_every_ws_knob_in_fp8_against_float64(variant, causal, nq, nk, d):
         assert torch.all(out[:, :, : nq - nk] == 0)
 
 
+def _key_groups_of(k8, fill):
+    """k8 copied into quantize_fp8's K layout (heads of whole 16-row groups), its padding rows
+    holding the byte `fill` (0x7F: e4m3's NaN)."""
+    b, h, n, d = k8.shape
+    rows = -(-n // 16) * 16
+    groups = torch.full((b, h, rows, d), fill, dtype=torch.uint8, device=k8.device).view(k8.dtype)
+    groups[:, :, :n] = k8
+    return groups[:, :, :n]
+
+
+@pytest.mark.gpu
+@HOPPER
+@pytest.mark.parametrize("nk", [1100, 1104, 9], ids=str)
+def test_ws_fp8_reads_k_in_any_layout(nk):
+    """K as quantize_fp8 writes it (heads of whole 16-row groups, read in place), with NaN bytes in
+    its padding rows (masked, never seen), contiguous (in place where 16 divides the length, else
+    copied), in (batch, seqlen, heads) memory (copied): the same bits every way. GQA, both masks."""
+    variant = dataclasses.replace(WS, overlap=False, persistent=True)
+    if prefill.FAMILY.constraint(variant, dataclasses.replace(FP8, head_dim=128), INSTALLED):
+        pytest.skip("the Hopper schedule takes no FP8 on this Triton")
+    x = tunegen.quantize_fp8(*_inputs(2, 4, 2, 300, nk, 128, torch.bfloat16, seed=nk))
+    layouts = [
+        _key_groups_of(x.k, 0x7F),
+        x.k.contiguous(),
+        x.k.transpose(1, 2).contiguous().transpose(1, 2),
+    ]
+    for causal in (False, True):
+        a = _fp8_check(variant, x, causal)
+        for k8 in layouts:
+            assert torch.equal(a, _fp8_check(variant, x._replace(k=k8), causal))
+
+
 @pytest.mark.gpu
 @HOPPER
 def test_ws_fp8_takes_fa3_descales_and_row_major_v():
     """One descale per (batch, KV head), V as users pass it (row-major, transposed by the launcher),
-    K in other layouts than quantize_fp8's heads of whole 16-row groups (contiguous at a length
-    no 16 divides, and (batch, seqlen, heads) memory: copied by the launcher), MQA, a persistent
-    grid of several waves; and the public call on 16-bit inputs (alone on a release whose Hopper
-    schedule takes no FP8, where it runs FlashAttention-2's loop)."""
+    MQA, a persistent grid of several waves; and the public call on 16-bit inputs (alone on a
+    release whose Hopper schedule takes no FP8, where it runs FlashAttention-2's loop)."""
     q, k, v = _inputs(3, 8, 1, 1100, 1100, 128, torch.bfloat16, seed=21)
     x = tunegen.quantize_fp8(q, k, v, per_block=False)
     runs_fp8 = prefill.FAMILY.constraint(WS, dataclasses.replace(FP8, head_dim=128), INSTALLED) is None
@@ -100,8 +130,6 @@ def test_ws_fp8_takes_fa3_descales_and_row_major_v():
             a = _fp8_check(variant, x, causal)
             b = _fp8_check(variant, x._replace(v=x.v.contiguous()), causal)
             assert torch.equal(a, b)
-            for k8 in (x.k.contiguous(), x.k.transpose(1, 2).contiguous().transpose(1, 2)):
-                assert torch.equal(a, _fp8_check(variant, x._replace(k=k8), causal))
     for causal in (False, True):
         out = tunegen.attention(q, k, v, causal=causal, precision="fp8", strict=True)
         ref, _ = attention_reference(q, k, v, causal=causal, scale=128**-0.5)

@@ -1,5 +1,6 @@
-"""The fused FP8 quantize kernel (templates/quantize_fp8.py.j2): it reads Q, K and V once, rotates
-Q and K in registers and writes the e4m3 tensors, their descales and V's K-major layout. Not a
+"""The fused FP8 quantize kernels (templates/quantize_fp8.py.j2): they read Q and K once and V twice
+(its scale spans the sequence), rotate Q and K in registers and write the e4m3 tensors, their
+descales, V's K-major layout and K's heads of whole 16-row groups. Not a
 Family: it moves memory at the copy's speed with any sensible Variant, so nothing tunes it."""
 
 from __future__ import annotations

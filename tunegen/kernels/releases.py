@@ -109,7 +109,9 @@ class Release:
         """Head dims at which the Hopper schedule takes FP8 inputs: 3.8 and 3.9 spill 100 to 350
         bytes of its e4m3 tiles at head dim 64 whatever registers are left, and at 128 too where
         the key ring or the persistent loop holds more (benchmarks/results/ws_registers.md); FP8
-        takes FlashAttention-2's loop there."""
+        takes FlashAttention-2's loop there. Measured with P carried in bytes: with P in words
+        (issue 34) the defaults compile on 3.8 without spilling, and on 3.9 but the non-causal
+        persistent one at 128 (72 bytes; offline, issue34_fp8_h200.md), not yet run on a GPU."""
         return () if self.version >= (3, 8) else (64, 128)
 
     @property

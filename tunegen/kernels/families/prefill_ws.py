@@ -274,9 +274,10 @@ def attended_length(problem: Problem) -> int:
 
 def _ws_measured(problem: Problem, two: Any, gpu: Gpu) -> Any:
     """The Hopper schedule's measured best per head dim, mask and length on an H100 with Triton
-    3.6 (bf16: benchmarks/results/issue31_h100.md, over prefill_ws_h100.md; FP8: fp8_h100.md), or
-    None where it does not run or launches less than one wave of 128-row tiles (its launch encodes
-    four TMA descriptors, twice FA2's cost: benchmarks/results/launch_h100.md). For 16-bit inputs,
+    3.6 (bf16: benchmarks/results/issue31_h100.md, over prefill_ws_h100.md; FP8: fp8_h100.md, and
+    without a mask issue34_fp8_h200.md, on the H200), or None where it does not run or launches
+    less than one wave of 128-row tiles (its launch encodes four TMA descriptors, twice FA2's
+    cost: benchmarks/results/launch_h100.md). For 16-bit inputs,
     persistent programs on the dynamic scheduler, two query slots per consumer (one at causal head
     dim 64 past 4096 tokens). Causal tiles heaviest first over even groups of heads whose K and V
     fill half the L2, an eighth at short prompts (head dim 128 up to 2048 tokens, 64 up to 4096; on
@@ -303,8 +304,8 @@ def _ws_measured(problem: Problem, two: Any, gpu: Gpu) -> Any:
     pair = two.replace(block_n=64, consumers=1, ctas_per_sm=2)  # two one-consumer programs per SM
     if problem.fp8:
         # Without overlap: with P packed into words (issue34_fp8_h200.md, over fp8_h100.md) the
-        # softmax is short enough that overlapping it with P·V no longer pays (-0.7% to -2%).
-        # Head dim 128; 64 takes the same, unmeasured.
+        # softmax is short enough that overlapping it with P·V no longer pays (+0.6% to +2.1%
+        # without it, on the H200 only). Head dim 128; 64 takes the same, unmeasured.
         if problem.causal:
             return two.replace(overlap=False, order="grouped", reverse_m=True)
         return two.replace(overlap=False, persistent=True)
