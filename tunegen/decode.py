@@ -66,8 +66,8 @@ def decode_attention(
     An FP8 cache (float8_e4m3fn k_cache/v_cache, half the bytes of bf16) takes float16 or
     bfloat16 queries and new tokens, with `k_descale`/`v_descale` (batch, kv_heads) float32
     (FlashAttention-3's names; None means 1): cached value = e4m3 value x descale. The kernel
-    widens the cache to float16 in registers; new tokens are divided by the descales and rounded to e4m3
-    (saturating at ±448) as they are appended.
+    widens the cache to float16 in registers; new tokens are divided by the descales and rounded
+    to e4m3 (saturating at ±448) as they are appended.
 
     `window_size`, `attention_chunk`, `softcap` and `sinks` as `tunegen.attention`'s (query i of nq
     at position cache_seqlens + new_tokens - nq + i): the splits of a window's or chunk's cache

@@ -273,26 +273,25 @@ def attended_length(problem: Problem) -> int:
 
 
 def _ws_measured(problem: Problem, two: Any, gpu: Gpu) -> Any:
-    """The Hopper schedule's measured best per head dim, mask and length on an H100 with Triton
-    3.6 (bf16: benchmarks/results/issue31_h100.md, over prefill_ws_h100.md; FP8: fp8_h100.md, and
-    without a mask issue34_fp8_h200.md, on the H200), or None where it does not run or launches
-    less than one wave of 128-row tiles (its launch encodes four TMA descriptors, twice FA2's
-    cost: benchmarks/results/launch_h100.md). For 16-bit inputs,
-    persistent programs on the dynamic scheduler, two query slots per consumer (one at causal head
-    dim 64 past 4096 tokens). Causal tiles heaviest first over even groups of heads whose K and V
-    fill half the L2, an eighth at short prompts (head dim 128 up to 2048 tokens, 64 up to 4096; on
-    the H200 up to 1024 and 512: its own sweep, issue31_h200.md); there, `mask_branch` and two
-    consumers without overlap, apart, as cuDNN's d64 kernel runs them (at head dim 64 and 512
-    tokens one 128-row consumer over a third stage of keys instead); `mask_branch` also at causal
-    head dim 64 past 4096. Longer causal prompts at head dim 128 overlap each consumer's softmax
-    with its products, apart, but in turns on the H200 past 4096 tokens. Without a mask, prompts
-    up to 1024 tokens take two consumers without overlap: turns at head dim 128, apart at 64. Head
-    dim 256 (issue33_h100.md; on the H200 within 2% of its best, issue33_h200.md) runs one tile per
-    program, its output through the query slot. Head dim 192 runs in three 64-column parts with
-    its query rows in registers (its own sweep, on the H200 only: issue33_h200_d192.md). A head
-    dim between takes the rules of its tile's (`ws_block_d`): 96 measured 1.02x to 1.13x cuDNN by
-    128's. A window or chunk counts as a prompt of its span
-    (`attended_length`). Packed batches take these rules at their longest sequence, each
+    """The Hopper schedule's measured best per head dim, mask and length on an H100 with Triton 3.6 (bf16:
+    benchmarks/results/issue31_h100.md, over prefill_ws_h100.md; FP8: fp8_h100.md, and without a
+    mask issue34_fp8_h200.md, on the H200), or None where it does not run or launches less than one
+    wave of 128-row tiles (its launch encodes four TMA descriptors, twice FA2's cost:
+    benchmarks/results/launch_h100.md). For 16-bit inputs, persistent programs on the dynamic
+    scheduler, two query slots per consumer (one at causal head dim 64 past 4096 tokens). Causal
+    tiles heaviest first over even groups of heads whose K and V fill half the L2, an eighth at
+    short prompts (head dim 128 up to 2048 tokens, 64 up to 4096; on the H200 up to 1024 and 512:
+    its own sweep, issue31_h200.md); there, `mask_branch` and two consumers without overlap, apart,
+    as cuDNN's d64 kernel runs them (at head dim 64 and 512 tokens one 128-row consumer over a third
+    stage of keys instead); `mask_branch` also at causal head dim 64 past 4096. Longer causal
+    prompts at head dim 128 overlap each consumer's softmax with its products, apart, but in turns
+    on the H200 past 4096 tokens. Without a mask, prompts up to 1024 tokens take two consumers
+    without overlap: turns at head dim 128, apart at 64. Head dim 256 (issue33_h100.md; on the H200
+    within 2% of its best, issue33_h200.md) runs one tile per program, its output through the query
+    slot. Head dim 192 runs in three 64-column parts with its query rows in registers (its own
+    sweep, on the H200 only: issue33_h200_d192.md). A head dim between takes the rules of its tile's
+    (`ws_block_d`): 96 measured 1.02x to 1.13x cuDNN by 128's. A window or chunk counts as a prompt
+    of its span (`attended_length`). Packed batches take these rules at their longest sequence, each
     sequence's tiles together (order "m_inner", set by `ws_default`): on the H200, 0.94x to 1.02x
     the dense call at equal lengths and 1.3x to 1.5x FA2's loop on mixes of lengths
     (issue33_varlen_h200.md)."""
